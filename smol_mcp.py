@@ -131,19 +131,25 @@ FILE_ONLY_KINDS = ("pools",)
 
 
 def setting_field(
-    default: Any, env: str = "", kind: str = "", **limits: Any
+    default: Any,
+    env: str = "",
+    kind: str = "",
+    *,
+    example: Any = None,
+    **limits: Any,
 ) -> Any:
     """One Config field: its default, its environment variable (SMOL_MCP_
     and the name in capitals unless given; none for a FILE_ONLY_KINDS
     kind), its kind ("str", "int", "choice", "version", "list",
-    "secret", "pools"; inferred unless given; ints take ``minimum`` and
-    ``maximum``) and its file key (the camelCase name). SETTINGS derives
-    from these."""
+    "secret", "fleets", "pools"; inferred unless given; ints take
+    ``minimum`` and ``maximum``), a valid ``example`` other than the
+    default (as the config file would hold it) and its file key (the
+    camelCase name). SETTINGS derives from these."""
     if not kind and "choices" in limits:
         kind = "choice"
     elif not kind:
         kind = {int: "int", tuple: "list"}.get(type(default), "str")
-    rule = {"env": env, "kind": kind, **limits}
+    rule = {"env": env, "kind": kind, "example": example, **limits}
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
@@ -168,68 +174,102 @@ class WarmPool:
 class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
-    smolvm: str = setting_field("smolvm", "SMOLVM")
-    min_smolvm: str = setting_field("1.14.0", kind="version")
-    local_url: str = setting_field("", "SMOL_LOCAL_URL")
-    runtime_dir: str = setting_field("")
-    machine_prefix: str = setting_field("mcp-")
-    memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
-    cpus: int = setting_field(2, minimum=1, maximum=255)
+    smolvm: str = setting_field(
+        "smolvm", "SMOLVM", example="/opt/smolmachines/smolvm"
+    )
+    min_smolvm: str = setting_field("1.14.0", kind="version", example="1.2.3")
+    local_url: str = setting_field(
+        "", "SMOL_LOCAL_URL", example="unix:///run/smolvm/serve.sock"
+    )
+    runtime_dir: str = setting_field("", example="/run/user/1000/smol-mcp")
+    machine_prefix: str = setting_field("mcp-", example="tmp-")
+    memory_mb: int = setting_field(
+        2048, minimum=128, maximum=1048576, example=4096
+    )
+    cpus: int = setting_field(2, minimum=1, maximum=255, example=4)
     network_default: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
     run_once_network: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
-    ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
-    exec_timeout_secs: int = setting_field(120, minimum=1)
-    max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
+    ephemeral_ttl_secs: int = setting_field(3600, minimum=60, example=7200)
+    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60, example=600)
+    exec_timeout_secs: int = setting_field(120, minimum=1, example=60)
+    max_exec_timeout_secs: int = setting_field(
+        900, minimum=1, maximum=86400, example=1200
+    )
     max_output_bytes: int = setting_field(
-        65536, minimum=1024, maximum=64 * 1024 * 1024
+        65536, minimum=1024, maximum=64 * 1024 * 1024, example=4096
     )
-    ready_timeout_secs: int = setting_field(120, minimum=1)
-    serve_start_timeout_secs: int = setting_field(60, minimum=1)
-    logs_tail: int = setting_field(100, minimum=1, maximum=100000)
-    logs_poll_secs: int = setting_field(2, minimum=1)
-    cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
-    cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field(
-        "auto", choices=("auto", "local", "cloud", "both")
+    ready_timeout_secs: int = setting_field(120, minimum=1, example=30)
+    serve_start_timeout_secs: int = setting_field(60, minimum=1, example=30)
+    logs_tail: int = setting_field(100, minimum=1, maximum=100000, example=10)
+    logs_poll_secs: int = setting_field(2, minimum=1, example=5)
+    cloud_url: str = setting_field(
+        DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL", example="https://api.example.com"
     )
-    http_host: str = setting_field("127.0.0.1")
-    http_port: int = setting_field(8080, minimum=1, maximum=65535)
-    http_path: str = setting_field("/mcp")
-    auth_token: str = setting_field("", kind="secret")
-    http_session_idle_secs: int = setting_field(1800, minimum=1)
-    http_allowed_hosts: tuple[str, ...] = setting_field(())
-    http_allowed_origins: tuple[str, ...] = setting_field(())
+    cloud_token: str = setting_field(
+        "", "SMOL_CLOUD_TOKEN", "secret", example="smk_example"
+    )
+    # Which fleets (section 3) it serves: "auto", "both" or their names
+    # joined by commas; read against the registry once it is filled.
+    targets: str = setting_field("auto", kind="fleets", example="local,cloud")
+    http_host: str = setting_field("127.0.0.1", example="0.0.0.0")
+    http_port: int = setting_field(
+        8080, minimum=1, maximum=65535, example=9000
+    )
+    http_path: str = setting_field("/mcp", example="/smol/mcp")
+    auth_token: str = setting_field("", kind="secret", example="a-secret")
+    http_session_idle_secs: int = setting_field(1800, minimum=1, example=60)
+    http_allowed_hosts: tuple[str, ...] = setting_field(
+        (), example=["mcp.example.com"]
+    )
+    http_allowed_origins: tuple[str, ...] = setting_field(
+        (), example=["https://app.example.com"]
+    )
     # --http behind a reverse proxy: the proxy's addresses, whose
     # X-Forwarded-For then names the caller. Empty: the peer is the caller.
-    trusted_proxies: tuple[str, ...] = setting_field(())
-    state_dir: str = setting_field("")
+    trusted_proxies: tuple[str, ...] = setting_field((), example=["10.0.0.1"])
+    state_dir: str = setting_field("", example="/var/lib/smol-mcp")
     # --http behind a proxy or TLS
-    public_url: str = setting_field("")
+    public_url: str = setting_field("", example="https://mcp.example.com")
     # Empty: every scope (section 11).
-    scopes: tuple[str, ...] = setting_field(())
-    mount_roots: tuple[str, ...] = setting_field(())
+    scopes: tuple[str, ...] = setting_field(
+        (), example=["machines.read", "sandbox.exec"]
+    )
+    mount_roots: tuple[str, ...] = setting_field(
+        (), example=["/srv", "/work:rw"]
+    )
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field("none", choices=("none", "changes"))
+    approval: str = setting_field(
+        "none", choices=("none", "changes"), example="changes"
+    )
     approval_timeout_secs: int = setting_field(
-        900, minimum=1, maximum=7 * 86400
+        900, minimum=1, maximum=7 * 86400, example=60
     )
-    approval_webhook: str = setting_field("")
+    approval_webhook: str = setting_field(
+        "", example="https://hooks.example/smol"
+    )
     approval_via: str = setting_field(
-        "terminal", choices=("terminal", "client")
+        "terminal", choices=("terminal", "client"), example="client"
     )
-    egress_private_cidrs: tuple[str, ...] = setting_field(())
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), example=["10.0.0.0/8", "fd00::/64"]
+    )
+    reply_tokens: int = setting_field(
+        20000, minimum=4000, maximum=1_000_000, example=50000
+    )
     # The host address published ports bind (one IPv4 address; empty: the
     # engine's loopback), and the host ports an agent may name.
-    expose_hosts: tuple[str, ...] = setting_field(())
-    expose_ports: tuple[str, ...] = setting_field(())
-    reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
+    expose_hosts: tuple[str, ...] = setting_field((), example=["192.0.2.10"])
+    expose_ports: tuple[str, ...] = setting_field(
+        (), example=["8000-8099", "9000"]
+    )
     # Booted machines the operator keeps ready (WarmPool, above).
-    warm_pools: tuple[WarmPool, ...] = setting_field((), kind="pools")
+    warm_pools: tuple[WarmPool, ...] = setting_field(
+        (), kind="pools", example={"py": {"image": "alpine", "ready": 2}}
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and
@@ -250,6 +290,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     minimum: int | None = None
     maximum: int | None = None
+    # A valid value other than the default, as the config file holds it.
+    example: Any = None
 
 
 def _camel(attr: str) -> str:
@@ -300,6 +342,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return _parse_int(setting, value, source, where)
     if setting.kind == "pools":
         return parse_warm_pools(value, where)
+    if setting.kind == "fleets":
+        return _parse_fleets(value, where)
     # The one kind left: "list".
     if source == "env":
         value = value.split(",")
@@ -448,6 +492,21 @@ def _warm_pool_value(key: str, raw: Any, at: str) -> Any:
             f"{rule[1]}; got {json.dumps(raw)[:60]}"
         )
     return raw
+
+
+def _parse_fleets(value: Any, where: str) -> str:
+    """A "fleets" value: "auto", "both", or fleet names joined by commas
+    (section 3), in the registry's order; raise ConfigError when it is
+    none of these, naming the fleets."""
+    if isinstance(value, str) and value.strip() in ("auto", "both"):
+        return value.strip()
+    try:
+        if not isinstance(value, str):
+            raise ValueError(f"got {_json_type(value)}")
+        return ",".join(named_fleets(value))
+    except ValueError as err:
+        accepted = fleets_accepted("auto")
+        raise ConfigError(f"{where} must be {accepted}; {err}") from None
 
 
 def _json_type(value: Any) -> str:
@@ -966,13 +1025,50 @@ class Fleet(Protocol):
 
 
 # Instructions and smol://targets list the fleets in the order they register.
+# Everything that names the fleets reads this table when it runs, so a test
+# may add a fleet and take it out again (FLEETS.pop).
 FLEETS: dict[str, type[Fleet]] = {}
 
 
 def registered(cls: type) -> type:
-    """A fleet class decorator: its one row in FLEETS, under its ``name``."""
+    """A fleet class decorator: its one row in FLEETS, under its ``name``;
+    raise ValueError when a fleet of that name is registered already."""
+    if cls.name in FLEETS:
+        raise ValueError(f"a fleet named {cls.name!r} is registered already")
     FLEETS[cls.name] = cls
     return cls
+
+
+def named_fleets(text: str) -> tuple[str, ...]:
+    """Return the fleets ``text`` names, in the registry's order: "both"
+    is every fleet, else fleet names joined by commas; raise ValueError
+    ("got ...") when it names none, or anything that is not a fleet."""
+    if text.strip() == "both":
+        return tuple(FLEETS)
+    words = {word.strip() for word in text.split(",")} - {""}
+    if not words or not words <= set(FLEETS):
+        raise ValueError(f"got {text!r}")
+    return tuple(name for name in FLEETS if name in words)
+
+
+def fleets_accepted(*first: str) -> str:
+    """Return what a setting or flag naming fleets accepts, as words
+    after "must be" ("one of auto, local, cloud, both, or ..."), with
+    the words ``first`` before the fleets' names."""
+    words = ", ".join([*first, *FLEETS, "both"])
+    if len(FLEETS) < 2:
+        return f"one of {words}"
+    pair = ",".join(list(FLEETS)[:2])
+    return f"one of {words}, or fleets joined by commas such as {pair}"
+
+
+def spoken(words: Iterable[str], last: str = "and") -> str:
+    """Return ``words`` as a sentence lists them: "a", "a and b", "a, b
+    and c" (``last`` is the word before the last one)."""
+    words = list(words)
+    if len(words) < 2:
+        return "".join(words)
+    return f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 # -- the local fleet --------------------------------------------------------
@@ -2023,8 +2119,8 @@ class LocalFleet(LocalServe):
     instruction = (
         "- Local: the engine fetches a registry image on the host, so a "
         "pull needs no egress in the machine: do not open the network for "
-        "it. mounts, overlayGb, cmd and pull-image are local only; "
-        "branch-machine needs a Linux or macOS host."
+        "it. mounts, overlayGb and cmd are local only; branch-machine "
+        "needs a Linux or macOS host."
     )
     # The local engine records refusals, and amends the allow list in place.
     amends_egress = True
@@ -4475,9 +4571,6 @@ def exec_stderr(answer: dict) -> str:
     return exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
 
 
-FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
-
-
 # ---------------------------------------------------------------------------
 # 5. Normalised records
 #
@@ -5648,7 +5741,9 @@ OUT_RESUMED = _types("resumedMachine:boolean")
 class ToolSpec:
     """One tool: its handler (tool_list_machines answers list-machines)
     and what the client is shown; ``access``: its scope level, then its
-    true annotations ("exec: destructive")."""
+    true annotations ("exec: destructive"). ``fleets`` names the only
+    fleets that serve it (empty: every fleet), and ``refusal`` says to
+    a call on another fleet why not and what to do instead."""
 
     handler: Callable
     title: str
@@ -5656,12 +5751,15 @@ class ToolSpec:
     input_schema: dict
     output_schema: dict
     access: str
+    fleets: tuple[str, ...] = ()
+    refusal: str = ""
     name: str = field(init=False)
     level: str = field(init=False)
 
     def __post_init__(self) -> None:
         handler_name = self.handler.__name__
         self.name = handler_name.removeprefix("tool_").replace("_", "-")
+        self._check_fleets()
         self.level, _, hints = self.access.partition(":")
         known = ("read_only", "destructive", "idempotent", "open_world")
         # A misspelt hint would read as false.
@@ -5673,6 +5771,32 @@ class ToolSpec:
             )
         for hint in known:
             setattr(self, hint, hint in hints.split())
+
+    def _check_fleets(self) -> None:
+        """Raise ValueError when ``fleets`` names no registered fleet, or
+        comes without the ``refusal`` another fleet answers with."""
+        unknown = set(self.fleets) - set(FLEETS)
+        if unknown:
+            raise ValueError(
+                f"{self.name}: fleets {sorted(unknown)} are not registered"
+            )
+        if self.fleets and not self.refusal:
+            raise ValueError(f"{self.name}: fleets without a refusal")
+
+    def serves(self, fleet: str) -> bool:
+        """Whether the fleet named ``fleet`` serves this tool."""
+        return not self.fleets or fleet in self.fleets
+
+    def refuse_on(self, fleet: str) -> None:
+        """Raise ArgumentError, before anything is asked of an engine or a
+        person, when the fleet named ``fleet`` does not serve this tool."""
+        if self.serves(fleet):
+            return
+        only = spoken(self.fleets)
+        raise ArgumentError(
+            f"{self.name} is {only} only, so the {fleet} fleet refuses it: "
+            f"{self.refusal}"
+        )
 
 
 class Call:
@@ -6636,12 +6760,12 @@ NETWORK_ARGS = dict(
 TOOLS: list[ToolSpec] = []
 
 
-def tool(*spec: Any) -> Callable:
-    """Register the handler below as a tool: ``spec`` is its ToolSpec's
-    fields after the handler."""
+def tool(*spec: Any, **keywords: Any) -> Callable:
+    """Register the handler below as a tool: ``spec`` and ``keywords``
+    are its ToolSpec's fields after the handler."""
 
     def register(handler: Callable) -> Callable:
-        TOOLS.append(ToolSpec(handler, *spec))
+        TOOLS.append(ToolSpec(handler, *spec, **keywords))
         return handler
 
     return register
@@ -8175,6 +8299,11 @@ def state_gone(call: Call, state: str) -> SmolError:
     _input("name image", name=ARG_NAME, image=ARG_IMAGE),
     _out("image:object"),
     "manage: idempotent open_world",
+    fleets=("local",),
+    refusal=(
+        "create-machine pulls a machine's image itself there, so pass the "
+        "image to create-machine instead"
+    ),
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
     pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
@@ -8806,15 +8935,14 @@ def egress_question(
     ),
     # Removals narrow it; a repeated removal is refused.
     "manage: destructive",
+    fleets=("local",),
+    refusal=(
+        "its engine has no route to amend a machine's egress; create a new "
+        'machine with allowHosts/allowCidrs (or network: "open") instead'
+    ),
 )
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
-    if not call.fleet.amends_egress:
-        raise ArgumentError(
-            "allow-egress is local only: the smol cloud API has no route to "
-            "amend a machine's egress. Create a new cloud machine with "
-            'allowHosts/allowCidrs (or network: "open") instead'
-        )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
     await refuse_resolving_to_host_ranges(added_names(args, body), call.config)
@@ -9673,6 +9801,9 @@ SCOPES = (
     *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
     "activity.read",
 )
+# Every level of one domain, the presets' and grants' building block.
+MACHINES_SCOPES = tuple(f"machines.{level}" for level in SCOPE_LEVELS)
+SANDBOX_SCOPES = tuple(f"sandbox.{level}" for level in SCOPE_LEVELS)
 # Each tool's scope level, from its ToolSpec.access; a tool without one
 # is granted to nobody.
 TOOL_LEVELS = {
@@ -9682,7 +9813,7 @@ APPROVAL_MODES = ("none", "changes")
 # `tokens create --preset`: the usual grants, by what the agent is for.
 SCOPE_PRESETS = {
     # Its own machines only.
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",
+    "sandbox": ",".join(SANDBOX_SCOPES),
     "read": "machines.read,activity.read",
     "full": ",".join(SCOPES),
 }
@@ -9722,7 +9853,8 @@ class Principal:
 
     name: str
     scopes: frozenset
-    targets: tuple[str, ...] = FLEET_NAMES
+    # The fleets it may use: every registered one unless narrowed.
+    targets: tuple[str, ...] = field(default_factory=lambda: tuple(FLEETS))
     # "changes": every changing call waits for a person.
     approval: str = "none"
     # "token" or "stdio".
@@ -9955,15 +10087,17 @@ def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:
+    """Return the fleets a token's ``--targets`` names (every fleet when
+    None): "both", or fleet names joined by commas; raise ConfigError
+    saying what it takes."""
     if text is None:
-        return FLEET_NAMES
-    targets = tuple(
-        dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
-    )
-    if not targets or any(target not in FLEET_NAMES for target in targets):
-        either = f"{', '.join(FLEETS)} or {','.join(FLEETS)}"
-        raise ConfigError(f"--targets takes {either}; got {text!r}")
-    return targets
+        return tuple(FLEETS)
+    try:
+        return named_fleets(text)
+    except ValueError as err:
+        raise ConfigError(
+            f"--targets takes {fleets_accepted()}; {err}"
+        ) from None
 
 
 def valid_tokens(data: Any) -> bool:
@@ -10535,7 +10669,7 @@ class Access:
         return Principal(
             record["name"],
             frozenset(record.get("scopes", [])),
-            tuple(record.get("targets") or FLEET_NAMES),
+            tuple(record.get("targets") or FLEETS),
             record.get("approval", "none"),
             id=record.get("id", ""),
         )
@@ -11001,31 +11135,47 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
-# How each fleet is named: "local (...)".
-SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]
-FLEET_QUESTION = (
-    "This smol-mcp server reaches these fleets of machines: "
-    + " and ".join(SERVED_AS)
-)
-FLEET_QUESTION += (
-    ". Which one is this session for?"
-    " Choose both to name the fleet on every call."
-)
-FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
-FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
-FLEET_QUESTION_SCHEMA = dict(
-    type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE}
-)
-ARG_TARGET = {
-    "type": "string",
-    "enum": list(FLEETS),
-    "description": (
-        f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one"
-        " fleet is invisible on the other, so there is no default."
-    ),
-}
-# The fleets as messages name them.
-TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)
+
+
+def fleet_question(fleets: dict[str, Fleet]) -> tuple[str, dict]:
+    """Return the question that asks a session which of ``fleets`` it is
+    for, and its form: each fleet by name, or both (decide per call)."""
+    served = spoken(fleet.served_as for fleet in fleets.values())
+    message = (
+        f"This smol-mcp server reaches these fleets of machines: {served}."
+        " Which one is this session for?"
+        " Choose both to name the fleet on every call."
+    )
+    choice = {
+        "type": "string",
+        "title": "Fleet",
+        "enum": [*fleets, "both"],
+        "description": ", ".join(fleets) + ", or both (decide per call)",
+    }
+    schema = {
+        "type": "object",
+        "required": ["fleet"],
+        "properties": {"fleet": choice},
+    }
+    return message, schema
+
+
+def target_argument(fleets: dict[str, Fleet]) -> dict:
+    """Return the ``target`` argument that names one of ``fleets``."""
+    served = spoken((fleet.served_as for fleet in fleets.values()), "or")
+    return {
+        "type": "string",
+        "enum": list(fleets),
+        "description": (
+            f"Which fleet: {served}. Required: a machine on one fleet is"
+            " invisible on another, so there is no default."
+        ),
+    }
+
+
+def target_names(fleets: dict[str, Fleet]) -> str:
+    """Return the fleets as messages name them: '"local" or "cloud"'."""
+    return spoken((f'"{name}"' for name in fleets), "or")
 
 
 def sdk_types():
@@ -11085,20 +11235,43 @@ def elicit_result(answer: Any):
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets served, decided at startup: auto is every fleet the
-    configuration allows ("both" when that is all), else SMOL_MCP_TARGETS,
-    refused when a fleet it names lacks something.
+    """Return the mode, decided at startup: the one fleet served, "both"
+    when it is every fleet, else the served fleets joined by commas.
+
+    auto serves every fleet the configuration allows; any other targets
+    value serves the fleets it names, refused when one lacks something.
     """
     lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
-        usable = [name for name, why in lacking.items() if why is None]
-        return "both" if len(usable) == len(FLEETS) else usable[0]
-    for name in FLEETS if config.targets == "both" else [config.targets]:
+        served = [name for name, why in lacking.items() if why is None]
+        if not served:
+            needs = "; ".join(
+                f"{name} needs {lacking[name]}" for name in FLEETS
+            )
+            raise ConfigError(f"SMOL_MCP_TARGETS=auto finds no fleet: {needs}")
+        return mode_of(served)
+    try:
+        served = named_fleets(config.targets)
+    except ValueError as err:
+        accepted = fleets_accepted("auto")
+        raise ConfigError(
+            f"SMOL_MCP_TARGETS must be {accepted}; {err}"
+        ) from None
+    for name in served:
         if lacking[name]:
             raise ConfigError(
                 f"SMOL_MCP_TARGETS={config.targets} needs {lacking[name]}"
             )
-    return config.targets
+    return mode_of(served)
+
+
+def mode_of(served: Iterable[str]) -> str:
+    """Return the mode that serves these fleets: a fleet's name, "both"
+    (every fleet), or the fleets joined by commas."""
+    served = tuple(served)
+    if len(served) > 1 and set(served) == set(FLEETS):
+        return "both"
+    return ",".join(served)
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
@@ -11118,7 +11291,7 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 def server_instructions(app: SmolMcp) -> str:
     """Return what the server tells the agent at initialize."""
     config = app.config
-    served = " and ".join(fleet.served_as for fleet in app.fleets.values())
+    served = spoken(fleet.served_as for fleet in app.fleets.values())
     lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of"
         " this computer: every command you run with these tools executes"
@@ -11149,11 +11322,13 @@ def server_instructions(app: SmolMcp) -> str:
         " command to the next in that shell. expose-port gives the URL a"
         " person opens for a port the machine serves on 0.0.0.0.",
     ]
-    if app.mode == "both":
+    if app.takes_target:
+        named = target_names(app.fleets)
         lines.append(
-            f"- Every tool needs target: {TARGET_NAMES}; there is no default."
+            f"- Every tool needs target: {named}; there is no default."
         )
     lines.extend(fleet.instruction for fleet in app.fleets.values())
+    lines.extend(unserved_tools_lines(app.fleets))
     lines.append(
         "- smol://targets says whether each fleet is usable right now,"
         " and why not."
@@ -11174,6 +11349,20 @@ def server_instructions(app: SmolMcp) -> str:
             " person before trying again."
         )
     return "\n".join(lines)
+
+
+def unserved_tools_lines(fleets: dict[str, Fleet]) -> list[str]:
+    """Return the instructions' lines on the tools some of ``fleets`` do
+    not serve, each naming the fleets that do (from each ToolSpec)."""
+    only: dict[tuple[str, ...], list[str]] = {}
+    for tool in TOOLS:
+        if not all(tool.serves(name) for name in fleets):
+            only.setdefault(tool.fleets, []).append(tool.name)
+    lines = []
+    for serving, names in only.items():
+        verb = "is" if len(names) == 1 else "are"
+        lines.append(f"- {spoken(names)} {verb} {spoken(serving)} only.")
+    return lines
 
 
 @functools.cache
@@ -11217,6 +11406,10 @@ class SmolMcp:
         self.fleets: dict[str, Fleet] = self.served_fleets(environ)
         # The operator's warmPools: made at the first local tool call.
         self.pools = WarmPools(self)
+        # More than one fleet: every tool takes a target, and a session
+        # is asked which fleet it is for.
+        self.takes_target = len(self.fleets) > 1
+        self.target_argument = target_argument(self.fleets)
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -11258,11 +11451,8 @@ class SmolMcp:
         """Return the fleets this mode serves, by name; the local one is
         self.local.
         """
-        names = (self.mode,)
-        if self.mode == "both":
-            names = FLEET_NAMES
         fleets = {}
-        for name in names:
+        for name in named_fleets(self.mode):
             if FLEETS[name] is LocalFleet:
                 fleets[name] = self.local
             else:
@@ -11295,9 +11485,9 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        # Only both mode has a session choose its fleet.
+        # Only a process of several fleets has a session choose one.
         with_target = (
-            self.mode == "both" and self.session_for(ctx).target is None
+            self.takes_target and self.session_for(ctx).target is None
         )
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
@@ -11324,14 +11514,15 @@ class SmolMcp:
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        """Return the tool as a client is shown it; with_target (both
-        mode) adds a required target.
+        """Return the tool as a client is shown it; with_target (several
+        fleets) adds a required target.
         """
         types = sdk_types()
         schema = configured_schema(tool, self.config)
         if with_target:
             required = ["target", *schema["required"]]
-            properties = {"target": ARG_TARGET, **schema["properties"]}
+            target = self.target_argument
+            properties = {"target": target, **schema["properties"]}
             schema = {**schema, "properties": properties, "required": required}
         annotations = types.ToolAnnotations(
             title=tool.title,
@@ -11371,7 +11562,7 @@ class SmolMcp:
         """Return the fleet a call goes to, taking `target` out of the
         arguments; raise ArgumentError when it names none it may use.
         """
-        if self.mode != "both":
+        if not self.takes_target:
             return next(iter(self.fleets.values()))
         # The call whose question made the choice may still name a fleet.
         asked_here = params is not None and params is session.chose_during
@@ -11383,31 +11574,32 @@ class SmolMcp:
                     f"this session chose the {session.target} fleet at its"
                     f' first call, so target "{given}" is not available in'
                     " it; use a new session (over HTTP with the 2026-07-28"
-                    " protocol, the session is the token) for the other"
+                    " protocol, the session is the token) for another"
                     " fleet"
                 )
             return self.fleets[session.target]
         if "target" not in arguments:
+            served = spoken(self.fleets)
             raise ArgumentError(
-                f'{name} needs "target": {TARGET_NAMES}. This server serves'
-                " both fleets and there is no default, because a machine on"
-                " one fleet is invisible on the other and the two bill"
-                " differently."
+                f'{name} needs "target": {target_names(self.fleets)}. This'
+                f" server serves the {served} fleets and there is no default,"
+                " because a machine on one fleet is invisible on another and"
+                " fleets bill differently."
             )
         target = arguments.pop("target")
         validate_arguments(
-            name, _object({"target": ARG_TARGET}), {"target": target}
+            name, _object({"target": self.target_argument}), {"target": target}
         )
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask a session once which fleet it is for, if the
-        client can answer.
+        """With several fleets, ask a session once which fleet it is for,
+        if the client can answer.
 
         A choice narrows the session (`target` leaves every tool). In
         the 2026 era the question is raised as AskClient.
         """
-        if self.mode != "both" or session.asked_fleet:
+        if not self.takes_target or session.asked_fleet:
             return None
         # Calls racing in at the start get one question.
         async with session.question_lock:
@@ -11417,13 +11609,9 @@ class SmolMcp:
             # argument.
             answer = None
             if can_elicit(ctx):
+                question, form = fleet_question(self.fleets)
                 answer = await self.ask(
-                    ctx,
-                    params,
-                    "fleet",
-                    "smol-mcp:fleet",
-                    FLEET_QUESTION,
-                    FLEET_QUESTION_SCHEMA,
+                    ctx, params, "fleet", "smol-mcp:fleet", question, form
                 )
             session.asked_fleet = True
             choice = None
@@ -11432,7 +11620,7 @@ class SmolMcp:
             if choice not in self.fleets or session.target is not None:
                 return
             session.target = choice
-            # The call that asked may still name the other fleet.
+            # The call that asked may still name another fleet.
             session.chose_during = params
             log.info("session %s chose the %s fleet", session.id, choice)
             # The session's subscriptions/listen stream hears of it.
@@ -11554,6 +11742,8 @@ class SmolMcp:
             self.validate(tool, arguments)
             self.refuse_reserved(fleet, arguments)
             grant = authorize(principal, name, fleet.name, machine)
+            # Before its approval: nobody is asked for what cannot run.
+            tool.refuse_on(fleet.name)
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
             if not tool.read_only:
@@ -13452,8 +13642,7 @@ class PlainApi:
 
     async def list_tools(self, scope: dict, send: Callable) -> None:
         principal = scope["state"]["smol_principal"]
-        both = self.app.mode == "both"
-        tools = self.app.tool_list(both, principal)
+        tools = self.app.tool_list(self.app.takes_target, principal)
         listed = [
             tool.model_dump(mode="json", by_alias=True, exclude_none=True)
             for tool in tools
@@ -14306,8 +14495,7 @@ class TokenPages(ConsolePages):
         """The fields of the form that makes a token."""
         scopes = "".join(checkbox_html("scope", scope) for scope in SCOPES)
         fleets = "".join(
-            checkbox_html("target", fleet, checked=True)
-            for fleet in FLEET_NAMES
+            checkbox_html("target", fleet, checked=True) for fleet in FLEETS
         )
         approval = checkbox_html(
             "approval", "changes", "Require approval for changes"
@@ -14692,14 +14880,9 @@ OAUTH_CLIENT_FIELDS = {
 }
 # The consent page's grants, besides Choose scopes.
 GRANTS = {
-    "Full": (
-        "machines.read",
-        "machines.manage",
-        "machines.exec",
-        "activity.read",
-    ),
+    "Full": (*MACHINES_SCOPES, "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
-    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+    "Sandbox": SANDBOX_SCOPES,
 }
 GRANT_NOTES = {
     "Full": "every tool, on every machine",
@@ -15835,7 +16018,7 @@ class SignInPages:
             "clientId": client.client_id,
         }
         record, _ = self.provider.tokens.create(
-            chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
+            chosen["name"].strip(), scopes, tuple(FLEETS), approval, **owner
         )
         return record
 
@@ -16113,11 +16296,8 @@ def invocation() -> str:
 
 
 # The text after --help's options; each setting's variable comes from its
-# declaration. Each line of the output starts a line here.
-EPILOG_VALUES = {
-    "tokens_default": Config.reply_tokens,
-    "fleets": " | ".join(FLEETS),
-}
+# declaration, the fleets from FLEETS (help_epilog). Each line of the
+# output starts a line here.
 HELP_EPILOG = (
     "environment (each also a camelCase key in"
     " ~/.config/smol-mcp/config.json):\n"
@@ -16126,8 +16306,9 @@ HELP_EPILOG = (
     " smolmachines package)\n"
     "  {local_url:<28}use a running serve (unix:///abs.sock) instead of"
     " starting one\n"
-    "  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is"
-    " set)\n"
+    "  {targets:<28}auto | {fleets} | both, or a list such as {pair}\n"
+    "                              (auto: every fleet that is set up;"
+    " doctor says which)\n"
     "  {cloud_token:<28}the smol cloud account key (a secret: never copied"
     " anywhere)\n"
     "  {network_default:<28}blocked | open: egress of a machine when a call"
@@ -16154,7 +16335,17 @@ HELP_EPILOG = (
     " by URL (OAuth, a consent page)\n"
     "  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http"
     " --port 8080\n"
-).format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
+)
+
+
+def help_epilog() -> str:
+    """Return the text after --help's options, naming every fleet."""
+    values = {
+        "tokens_default": Config.reply_tokens,
+        "fleets": " | ".join(FLEETS),
+        "pair": ",".join(list(FLEETS)[:2]),
+    }
+    return HELP_EPILOG.format_map({s.attr: s.env for s in SETTINGS} | values)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -16165,7 +16356,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "An MCP server that gives an AI agent microVMs (smol machines)"
             " to work in. Serves MCP over stdio by default."
         ),
-        epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
+        epilog=help_epilog().replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_main_options(parser)
@@ -16292,10 +16483,7 @@ def add_token_create_parser(commands) -> None:
         f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()
     )
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
-    fleets = (
-        f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)}"
-        " (default both)"
-    )
+    fleets = f"the fleets it may use: {fleets_accepted()} (default both)"
     create.add_argument("--targets", help=fleets)
     changes = (
         "changes: changing calls wait for a person (recorded with the token)"
@@ -16906,14 +17094,16 @@ def one_liner(client: str, entry: dict) -> str | None:
     return shlex.join(command)
 
 
-def back_up(path: Path) -> Path:
-    """Copy ``path`` into the state directory; return the copy's path.
+def back_up(path: Path, state_dir: str) -> Path:
+    """Copy ``path`` into the state directory ``state_dir`` (stateDir);
+    return the copy's path.
 
     Not beside the file: beside a project file, a copy would be read or
     committed.
     """
-    backups = Path(default_state_dir(os.environ)) / "backups"
-    backups.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # The copy may hold a secret: the state directory's checks apply.
+    backups = ensure_state_dir(state_dir) / "backups"
+    backups.mkdir(mode=0o700, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
     backup = backups / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
     shutil.copy2(path, backup)
@@ -17124,7 +17314,7 @@ def setup(args: Any, config: Config) -> int:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
-    if write_entry(args, path, key, entry):
+    if write_entry(args, path, key, entry, config.state_dir):
         done = "replaced the smol entry in"
     else:
         done = "wrote the smol entry into"
@@ -17148,8 +17338,11 @@ def warn_of_secrets_by_hand() -> None:
         )
 
 
-def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
-    """Merge the entry into ``path``, backed up; return if it replaced one."""
+def write_entry(
+    args: Any, path: Path, key: str, entry: dict, state_dir: str
+) -> bool:
+    """Merge the entry into ``path``, backed up into ``state_dir``; return
+    if it replaced one."""
     try:
         text = path.read_text() if path.exists() else ""
     except OSError as err:
@@ -17158,7 +17351,7 @@ def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
     merged, replacing = merge(path, text, key, entry, args.client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        print(f"backed up {path} to {back_up(path)}")
+        print(f"backed up {path} to {back_up(path, state_dir)}")
     path.write_text(merged)
     return replacing
 

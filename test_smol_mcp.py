@@ -59,6 +59,7 @@ import urllib.parse
 import warnings
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
+from typing import Unpack
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -273,66 +274,23 @@ class ConfigTests(unittest.TestCase):
                     self.assertIn(f"`{default}`", cell)
 
     def test_every_setting_is_read_from_the_file_and_the_environment(self):
-        samples = {  # a valid value other than the default, for every key
-            "smolvm": "/opt/smolvm",
-            "minSmolvm": "1.2.3",
-            "localUrl": "unix:///x.sock",
-            "runtimeDir": "/tmp/x",
-            "machinePrefix": "tmp-",
-            "memoryMb": 4096,
-            "cpus": 4,
-            "networkDefault": "open",
-            "runOnceNetwork": "open",
-            "ephemeralTtlSecs": 7200,
-            "ephemeralAutoStopSecs": 600,
-            "execTimeoutSecs": 60,
-            "maxExecTimeoutSecs": 1200,
-            "maxOutputBytes": 4096,
-            "readyTimeoutSecs": 30,
-            "serveStartTimeoutSecs": 30,
-            "logsTail": 10,
-            "logsPollSecs": 5,
-            "cloudUrl": "https://example.test",
-            "cloudToken": "t",
-            "targets": "local",
-            "httpHost": "0.0.0.0",
-            "httpPort": 9000,
-            "httpPath": "/x",
-            "authToken": "a",
-            "httpSessionIdleSecs": 60,
-            "httpAllowedHosts": ["h"],
-            "httpAllowedOrigins": ["o"],
-            "trustedProxies": ["10.0.0.1"],
-            "stateDir": "/tmp/s",
-            "publicUrl": "https://mcp.example.com",
-            "scopes": ["machines.read", "sandbox.exec"],
-            "approval": "changes",
-            "approvalTimeoutSecs": 60,
-            "approvalWebhook": "https://hooks.example/smol",
-            "approvalVia": "client",
-            "mountRoots": ["/srv", "/work:rw"],
-            "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
-            "exposeHosts": ["192.0.2.10"],
-            "exposePorts": ["8000-8099", "9000"],
-            "replyTokens": 50000,
-            "warmPools": {"py": {"image": "alpine", "ready": 2}},
-        }
-        # What a sample reads as, where that is not the value itself.
+        # What an example reads as, where that is not the value itself.
         parsed = {"warmPools": (smol_mcp.WarmPool("py", "alpine", 2),)}
         defaults = Config()
         for setting in smol_mcp.SETTINGS:
-            self.assertTrue(
-                setting.key in samples,
-                f"add a valid value of {setting.key}, other than its "
-                "default, to samples in this test",
+            # Each declaration carries its example (setting_field).
+            self.assertIsNotNone(
+                setting.example,
+                f"give {setting.key} an example= in its declaration: a "
+                "valid value other than its default",
             )
-            value = samples[setting.key]
+            value = setting.example
             expected = tuple(value) if isinstance(value, list) else value
             expected = parsed.get(setting.key, expected)
             self.assertNotEqual(
                 getattr(defaults, setting.attr),
                 expected,
-                f"the sample of {setting.key} is its default: "
+                f"the example of {setting.key} is its default: "
                 "it would pass unread",
             )
             self.write({setting.key: value})
@@ -417,7 +375,10 @@ class ConfigTests(unittest.TestCase):
                 '"httpPort" in the config file must be at most 65535',
             ),
             ({"networkDefault": "closed"}, "must be one of blocked, open"),
-            ({"targets": "mars"}, "must be one of auto, local, cloud, both"),
+            (
+                {"targets": "mars"},
+                f"must be one of auto, {', '.join(smol_mcp.FLEETS)}, both",
+            ),
             ({"minSmolvm": "latest"}, "must be a version such as 1.14.0"),
             ({"httpAllowedHosts": "a,b"}, "must be a list of strings"),
             ({"httpPath": "mcp"}, "httpPath must start with '/'"),
@@ -681,37 +642,51 @@ class FleetContractTests(unittest.TestCase):
     signatures."""
 
     def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
+        self.assertGreater(len(self.members()), 20)
+        # Each fleet is driven against its fake by an EngineRequestScenarios
+        # case of its own: a new fleet fails here until it has one.
+        cases = [
+            case.fleet for case in EngineRequestScenarios.__subclasses__()
+        ]
+        self.assertEqual(
+            sorted(smol_mcp.FLEETS),
+            sorted(cases),
+            "a fleet needs its fake in tests/fakes and an "
+            "EngineRequestScenarios case (its fleet and its fake's journal)",
+        )
+        for name, fleet in smol_mcp.FLEETS.items():
+            self.check_contract(name, fleet)
+
+    @staticmethod
+    def members() -> list[str]:
+        """The contract's methods, __init__ included."""
         contract = smol_mcp.Fleet
         members = [
             name
             for name in dir(contract)
             if not name.startswith("_") or name == "__init__"
         ]
-        members = [
+        return [
             name for name in members if name not in dir(typing.Protocol)
         ] + ["__init__"]
-        attributes = list(contract.__annotations__)
-        self.assertGreater(len(members), 20)
-        # Each fleet is driven against its fake by a case class of its own:
-        # a new fleet fails here until it has one.
-        cases = {"local": FakeServeCase, "cloud": FakeCloudCase}
-        self.assertEqual(
-            sorted(smol_mcp.FLEETS),
-            sorted(cases),
-            "a fleet needs its fake in tests/fakes and a case class here",
-        )
-        for name, fleet in smol_mcp.FLEETS.items():
-            self.assertEqual(fleet.name, name)
-            for attribute in attributes:
-                with self.subTest(fleet=name, attribute=attribute):
-                    self.assertTrue(
-                        attribute == "config" or hasattr(fleet, attribute)
-                    )
-            for member in members:
-                with self.subTest(fleet=name, member=member):
-                    wanted = inspect.signature(getattr(contract, member))
-                    offered = inspect.signature(getattr(fleet, member))
-                    self.assertEqual(self.shape(offered), self.shape(wanted))
+
+    def check_contract(self, name: str, fleet: type) -> None:
+        """``fleet`` (registered as ``name``) has every attribute of the
+        contract and every method with its signature (any TestCase may
+        call this)."""
+        contract = smol_mcp.Fleet
+        self.assertEqual(fleet.name, name)
+        for attribute in contract.__annotations__:
+            with self.subTest(fleet=name, attribute=attribute):
+                self.assertTrue(
+                    attribute == "config" or hasattr(fleet, attribute)
+                )
+        for member in FleetContractTests.members():
+            with self.subTest(fleet=name, member=member):
+                wanted = inspect.signature(getattr(contract, member))
+                offered = inspect.signature(getattr(fleet, member))
+                shape = FleetContractTests.shape
+                self.assertEqual(shape(offered), shape(wanted))
 
     @staticmethod
     def shape(signature: inspect.Signature) -> list[tuple]:
@@ -1356,9 +1331,9 @@ class ToolListTests(FakeServeCase):
 def engine_requests_table() -> dict[str, dict]:
     """The README tools table's engine requests of each tool, per fleet.
 
-    A cell reads `N` (every fleet) or `N (cloud M)`; what follows a `;` is
-    a note. A tool whose "What it does" says "(local only" has no cloud
-    count: the cloud fleet refuses it.
+    A cell reads `N` (every fleet) or `N (cloud M)`, a fleet after the
+    first named with its own count; what follows a `;` is a note. "only"
+    holds the fleets a "(local only" in "What it does" names.
     """
     readme = (HERE / "README.md").read_text()
     start = readme.index("| Tool | What it does |")
@@ -1367,13 +1342,15 @@ def engine_requests_table() -> dict[str, dict]:
     row_re = r"^\| `([a-z-]+)` \| (.*) \| ([^|]+) \|$"
     for tool, rest, cell in re.findall(row_re, readme[start:end], re.M):
         cell = cell.split(";")[0]
-        local = int(re.match(r"\d+", cell)[0])
-        cloud = re.search(r"cloud (\d+)", cell)
-        table[tool] = {
-            "local": local,
-            "cloud": int(cloud[1]) if cloud else local,
-            "local_only": "(local only" in rest.split(" | ")[0],
-        }
+        first = int(re.match(r"\d+", cell)[0])
+        table[tool] = {}
+        for fleet in smol_mcp.FLEETS:
+            own = re.search(rf"\b{fleet} (\d+)", cell)
+            table[tool][fleet] = int(own[1]) if own else first
+        only = re.search(r"\(([a-z, ]+) only", rest.split(" | ")[0])
+        table[tool]["only"] = tuple(
+            re.split(r", | and ", only[1]) if only else ()
+        )
     return table
 
 
@@ -1423,11 +1400,6 @@ class EngineRequestScenarios:
         ("run-once", {"image": "alpine", "command": "true"}),
     ]
 
-    def journal(self) -> list:
-        if self.fleet == "cloud":
-            return self.cloud.requests
-        return self.fake.requests
-
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
         table = engine_requests_table()
         tools = list(smol_mcp.TOOLS_BY_NAME)
@@ -1455,20 +1427,24 @@ class EngineRequestScenarios:
                 before = len(self.journal())
                 is_error, got = await self.call(c, tool, args)
                 counted[tool] = len(self.journal()) - before
-                if is_error and f"{tool} is local only" in got:
+                if is_error and f"so the {self.fleet} fleet refuses" in got:
                     refused.add(tool)
                     continue
                 self.assertFalse(is_error, f"{tool}: {got}")
                 job = got.get("jobId", job)
-        # a tool the cloud refuses says so in its README row, and the
-        # refusal asks the engine nothing
-        local_only = {t for t in tools if table[t]["local_only"]}
-        if self.fleet == "cloud":
-            self.assertEqual(refused, local_only)
-        else:
-            self.assertEqual(refused, set())
+        # a tool this fleet does not serve (its ToolSpec's fleets) is
+        # refused asking the engine nothing, and its README row says so
+        specs = smol_mcp.TOOLS_BY_NAME
+        unserved = {t for t in tools if not specs[t].serves(self.fleet)}
+        self.assertEqual(refused, unserved)
         for tool in refused:
             self.assertEqual(counted.pop(tool), 0, tool)
+        for tool in tools:
+            self.assertEqual(
+                table[tool]["only"],
+                specs[tool].fleets,
+                f'{tool}: the README row\'s "(... only" and its fleets',
+            )
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
 
     async def test_a_machine_from_a_state_makes_the_requests_its_row_says(
@@ -1507,6 +1483,9 @@ def engine_requests_row(tool: str) -> str:
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
+
+    def journal(self) -> list:
+        return self.fake.requests
 
     async def test_arguments_are_checked_by_one_validator_per_tool(self):
         async with self.client("legacy") as c:
@@ -2368,7 +2347,7 @@ class ToolRuleTests(FakeServeCase):
             )
 
     async def test_the_schema_states_the_configured_timeout_ceiling(self):
-        for targets in ("local", "both"):
+        for targets in ("local", "local,cloud"):
             config = dataclasses_replace(
                 self.config,
                 max_exec_timeout_secs=600,
@@ -2397,7 +2376,7 @@ class ToolRuleTests(FakeServeCase):
                                 for k, v in args.items()
                                 if k in tools[tool].input_schema["properties"]
                             }
-                            if targets == "both":
+                            if targets == "local,cloud":
                                 args["target"] = "local"
                             for asked in (100000, 601):
                                 text = await self.refused(
@@ -3692,14 +3671,31 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
     CAN_CHROOT,
     "the fake guest needs root or unshare to chroot into its busybox root",
 )
+def registry_of(case: unittest.TestCase, *fleets: type) -> None:
+    """Make FLEETS exactly ``fleets`` until ``case`` ends: its cleanup puts
+    the registry back as it was."""
+    before = dict(smol_mcp.FLEETS)
+    smol_mcp.FLEETS.clear()
+    for fleet in fleets:
+        smol_mcp.registered(fleet)
+
+    def restore() -> None:
+        smol_mcp.FLEETS.clear()
+        smol_mcp.FLEETS.update(before)
+
+    case.addCleanup(restore)
+
+
 class FakeCloudCase(FakeServeCase):
     """A FakeCloud (and the local fake beside it, for both mode), and a server
-    using it."""
+    using it. Its registry is the two fleets the fakes answer for, so both
+    means them whatever else registers."""
 
     cloud_options: dict = {}
     targets = "cloud"
 
     async def asyncSetUp(self):
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet)
         await super().asyncSetUp()
         self.cloud = FakeCloud(token=CLOUD_TOKEN, **self.cloud_options).start()
         self.config = fake_config(
@@ -3731,6 +3727,9 @@ class FakeCloudCase(FakeServeCase):
 
 class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
     fleet = "cloud"
+
+    def journal(self) -> list:
+        return self.cloud.requests
 
 
 class CloudWorkedExample(FakeCloudCase):
@@ -4332,15 +4331,13 @@ class BothModeTests(FakeCloudCase):
         )
 
     def test_the_fleet_names_come_from_the_registry(self):
-        # The targets setting is read before the fleets register, so it lists
-        # their names itself: they must be the registry's. Everything else that
-        # names a fleet derives from FLEETS.
+        # The targets setting keeps no list of fleets: it is read against
+        # FLEETS, as the question and the target argument are built from
+        # the served ones.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
-        self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
-        for text in (
-            smol_mcp.FLEET_QUESTION,
-            smol_mcp.ARG_TARGET["description"],
-        ):
+        self.assertEqual((setting.kind, setting.choices), ("fleets", ()))
+        question, _ = smol_mcp.fleet_question(self.app.fleets)
+        for text in (question, self.app.target_argument["description"]):
             for fleet in smol_mcp.FLEETS.values():
                 self.assertIn(fleet.served_as, text)
 
@@ -4489,6 +4486,369 @@ class ElicitationTests(FakeCloudCase):
                             )
                         )
                     self.assertEqual(len(asked), 1 if kwargs else 0)
+
+
+# The names the Fleet contract's **options carry, as its signatures spell
+# them (FleetContractTests.shape compares them).
+ExecOptions = smol_mcp.ExecOptions
+JobOptions = smol_mcp.JobOptions
+
+
+class ThirdFleet:
+    """A third fleet for the tests of any number of fleets: it keeps the
+    Fleet contract (its signatures are compared) and machine records in
+    a dict, runs nothing, and lacks a key unless ``usable``. A test
+    registers it and takes it out again (ThirdFleetTests.register)."""
+
+    name = "third"
+    served_as = "third (a test's fleet, machines kept in memory)"
+    instruction = "- Third: a test's fleet; nothing runs in its machines."
+    amends_egress = False
+    mounts_host_paths = False
+    branch_needs_start = False
+    usable = False
+    RUNS_NOTHING = "the third fleet is a test's: nothing runs in it"
+
+    def __init__(
+        self, config: Config, environ: dict[str, str] | None = None
+    ) -> None:
+        self.config = config
+        self.machines = {"in-third": self.record("in-third", "stopped")}
+
+    @staticmethod
+    def record(name: str, state: str) -> dict:
+        keys = (
+            "id image cpus memoryMb network createdAt pid url parent"
+        ).split()
+        blank = dict.fromkeys(keys)
+        return blank | {
+            "id": f"t-{name}",
+            "name": name,
+            "state": state,
+            "ports": [],
+            "branchable": False,
+        }
+
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def list_machines(self) -> list[dict]:
+        return [dict(record) for record in self.machines.values()]
+
+    def get_machine(self, name: str) -> dict:
+        if name not in self.machines:
+            raise smol_mcp.ApiError(
+                self.name, f"get machine '{name}'", 404, "NOT_FOUND", "gone"
+            )
+        return dict(self.machines[name])
+
+    def machine_state(self, name: str) -> str | None:
+        return self.get_machine(name)["state"]
+
+    def create_machine(self, spec: smol_mcp.MachineSpec) -> dict:
+        self.machines[spec.name] = self.record(spec.name, "created")
+        return dict(self.machines[spec.name])
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def stop_machine(self, name: str) -> dict:
+        return self.get_machine(name)
+
+    def delete_machine(self, name: str) -> dict:
+        return self.machines.pop(name)
+
+    def branch_machine(self, name: str, child: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def pull_image(self, name: str, image: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def probe_ready(self, name: str) -> str | None:
+        return self.RUNS_NOTHING
+
+    def exec(
+        self, name: str, argv: list[str], **options: Unpack[ExecOptions]
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        on_output: smol_mcp.OnOutput,
+        **options: Unpack[ExecOptions],
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        **options: Unpack[JobOptions],
+    ) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> smol_mcp.JobPage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def cancel_job(self, name: str, job_id: str) -> None:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]:
+        return []
+
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> smol_mcp.FilePage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def write_file(self, name: str, path: str, data: bytes) -> int:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def console_lines(self, name: str) -> list[str]:
+        return []
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        why = cls.lacking(app.config)
+        return {"served": True, "usable": why is None, "reason": why}
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        if cls.usable:
+            return None
+        return "the third key, which no test sets"
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        return ["machines: kept in memory"], []
+
+
+class UsableThirdFleet(ThirdFleet):
+    usable = True
+
+
+def answer_fleet_asked(fleet: str, asked: list):
+    """An elicitation callback answering the fleet question with
+    ``fleet``; each question (message, schema) is kept in ``asked``."""
+
+    async def callback(context, params):
+        asked.append((params.message, params.requested_schema))
+        return mcp_types.ElicitResult(
+            action="accept", content={"fleet": fleet}
+        )
+
+    return callback
+
+
+class FleetsTableTests(unittest.TestCase):
+    """The README's fleets table has a row for each registered fleet, in
+    the registry's order, and no other."""
+
+    def test_each_fleet_has_its_row(self):
+        readme = (HERE / "README.md").read_text()
+        start = readme.index("| Fleet | What it is | Needs |")
+        table = readme[start:].split("\n\n", 1)[0]
+        rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)
+        self.assertEqual(
+            rows,
+            list(smol_mcp.FLEETS),
+            "each fleet needs a row in the README's fleets table (Fleets "
+            "and modes), in the order the fleets register",
+        )
+
+
+class ThirdFleetTests(FakeCloudCase):
+    """Any number of fleets: with a third registered (ThirdFleet), auto
+    serves every usable fleet, a subset serves exactly itself, and the
+    target argument, the fleet question and --help name them."""
+
+    targets = "auto"
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.register(ThirdFleet)
+        self.app = SmolMcp(self.config)
+
+    def register(self, third: type) -> None:
+        """Make the registry local, cloud and ``third`` until the test
+        ends."""
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet, third)
+
+    def served(self, targets: str) -> SmolMcp:
+        return SmolMcp(dataclasses_replace(self.config, targets=targets))
+
+    def test_the_third_fleet_keeps_the_contract(self):
+        FleetContractTests.check_contract(self, "third", ThirdFleet)
+        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud", "third"])
+        with self.assertRaises(ValueError):
+            smol_mcp.registered(UsableThirdFleet)
+
+    async def test_auto_serves_every_usable_fleet_and_says_so(self):
+        # a cloud key set, the third lacking its own: local and cloud
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "local,cloud")
+        self.assertEqual(list(self.app.fleets), ["local", "cloud"])
+        async with self.client("legacy") as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "cloud"])
+            text = await self.refused(c, "list-machines", {"target": "third"})
+            self.assertIn('"target" must be one of "local", "cloud"', text)
+            document = json.loads(
+                (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+            )
+            self.assertNotIn("third", c.instructions)
+        self.assertEqual(document["mode"], "local,cloud")
+        third = document["fleets"]["third"]
+        self.assertEqual((third["served"], third["usable"]), (False, False))
+        self.assertIn("local,cloud mode", third["reason"])
+        without_key = dataclasses_replace(self.config, cloud_token="")
+        self.assertEqual(smol_mcp.resolve_mode(without_key), "local")
+        # every fleet usable: both, the word for all of them
+        self.register(UsableThirdFleet)
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "both")
+        self.assertEqual(
+            list(self.served("auto").fleets), ["local", "cloud", "third"]
+        )
+
+    async def test_a_subset_serves_exactly_itself(self):
+        self.register(UsableThirdFleet)
+        app = self.served("local,third")
+        self.assertEqual(
+            (app.mode, list(app.fleets)), ("local,third", ["local", "third"])
+        )
+        asked = []
+        callback = answer_fleet_asked("both", asked)
+        async with Client(
+            app.server, mode="legacy", elicitation_callback=callback
+        ) as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "third"])
+                self.assertIn(ThirdFleet.served_as, target["description"])
+                self.assertNotIn("cloud", target["description"])
+            listed = await self.ok(c, "list-machines", {"target": "third"})
+            names = [machine["name"] for machine in listed["machines"]]
+            self.assertEqual(names, ["in-third"])
+            text = await self.refused(c, "list-machines", {"target": "cloud"})
+            self.assertIn('"target" must be one of "local", "third"', text)
+            text = await self.refused(
+                c,
+                "pull-image",
+                {"target": "third", "name": "in-third", "image": "alpine"},
+            )
+            self.assertIn(
+                "pull-image is local only, so the third fleet refuses it",
+                text,
+            )
+            self.assertIn(
+                "pull-image and allow-egress are local only", c.instructions
+            )
+            self.assertIn(ThirdFleet.instruction, c.instructions)
+            self.assertNotIn("Cloud:", c.instructions)
+        # the question offers each served fleet and both; both keeps target
+        ((message, schema),) = asked
+        choice = schema["properties"]["fleet"]
+        self.assertEqual(choice["enum"], ["local", "third", "both"])
+        self.assertIn(ThirdFleet.served_as, message)
+        self.assertNotIn("cloud", message)
+        self.assertEqual(self.cloud.requests, [])
+
+    async def test_a_tool_the_fleet_does_not_serve_asks_nobody(self):
+        # approval on every change: the refusal comes before the question,
+        # and the fleet (whose pull_image would say RUNS_NOTHING) is not
+        # called
+        self.register(UsableThirdFleet)
+        config = dataclasses_replace(
+            self.config,
+            targets="third",
+            approval="changes",
+            approval_via="client",
+        )
+        asked = []
+        callback = answer_form("accept", {"approve": True}, asked)
+        async with Client(
+            SmolMcp(config).server,
+            mode="legacy",
+            elicitation_callback=callback,
+        ) as c:
+            args = {"name": "in-third", "image": "alpine"}
+            text = await self.refused(c, "pull-image", args)
+        self.assertIn(
+            "pull-image is local only, so the third fleet refuses it: "
+            "create-machine pulls a machine's image itself there",
+            text,
+        )
+        self.assertNotIn(ThirdFleet.RUNS_NOTHING, text)
+        self.assertEqual(asked, [])
+
+    def test_a_fleet_named_must_be_usable_and_registered(self):
+        with self.assertRaises(ConfigError) as caught:
+            self.served("local,third")
+        self.assertIn(
+            "SMOL_MCP_TARGETS=local,third needs the third key",
+            str(caught.exception),
+        )
+        environ = {
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "HOME": self.tmp,
+            "SMOL_MCP_TARGETS": "third, local",
+        }
+        self.assertEqual(load_config(environ).targets, "local,third")
+        for wrong in ("mars", "local,mars", ",", "auto,local"):
+            with self.subTest(targets=wrong):
+                environ["SMOL_MCP_TARGETS"] = wrong
+                with self.assertRaises(ConfigError) as caught:
+                    load_config(environ)
+                self.assertIn(
+                    "SMOL_MCP_TARGETS must be one of auto, local, cloud, "
+                    "third, both, or fleets joined by commas",
+                    str(caught.exception),
+                )
+
+    def test_a_token_names_a_subset_or_both(self):
+        parse = smol_mcp.parse_targets
+        self.assertEqual(parse("third,local"), ("local", "third"))
+        self.assertEqual(parse("both"), ("local", "cloud", "third"))
+        self.assertEqual(parse(None), ("local", "cloud", "third"))
+        with self.assertRaises(ConfigError) as caught:
+            parse("local,mars")
+        self.assertIn(
+            "one of local, cloud, third, both", str(caught.exception)
+        )
+        # a principal that names no fleet may use every registered one
+        everyone = smol_mcp.Principal("x", frozenset(smol_mcp.SCOPES))
+        self.assertEqual(everyone.targets, ("local", "cloud", "third"))
+        narrowed = smol_mcp.Principal(
+            "y", frozenset(smol_mcp.SCOPES), parse("local,third")
+        )
+        smol_mcp.authorize(narrowed, "list-machines", "third", None)
+        with self.assertRaises(smol_mcp.ScopeMissing) as caught:
+            smol_mcp.authorize(narrowed, "list-machines", "cloud", None)
+        self.assertIn("the local and third fleet only", str(caught.exception))
+
+    def test_help_names_every_registered_fleet(self):
+        out = io.StringIO()
+        for argv in (["--help"], ["tokens", "create", "--help"]):
+            with self.subTest(argv=argv):
+                with contextlib.redirect_stdout(out):
+                    with self.assertRaises(SystemExit):
+                        smol_mcp.parse_args(argv)
+        said = " ".join(out.getvalue().split())
+        self.assertIn("auto | local | cloud | third | both", said)
+        self.assertIn("one of local, cloud, third, both", said)
 
 
 def answer_allow(action: str, allow: bool = True, asked: list | None = None):
@@ -10256,6 +10616,58 @@ class SetupEntryTests(unittest.TestCase):
         )
 
 
+class SetupBackupTests(unittest.TestCase):
+    """setup --write backs a file up into the configured state directory
+    (SMOL_MCP_STATE_DIR, or stateDir in the config file), never the
+    default one under HOME."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.home = Path(self.tmp, "home")
+        self.project = Path(self.tmp, "project")
+        self.home.mkdir()
+        self.project.mkdir()
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(self.home),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/config.json",
+        }
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_backed_up(self, env: dict) -> Path:
+        """Run setup claude-code --write over a project file; return the
+        one backup made, checking none went under HOME."""
+        original = '{"mcpServers": {"other": {"command": "x"}}}'
+        (self.project / ".mcp.json").write_text(original)
+        out = run_cli(
+            "setup", "claude-code", "--write", env=env, cwd=self.project
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(list(self.home.iterdir()), [])
+        backed_up = re.search(r"backed up \S+ to (\S+)", out.stdout)
+        self.assertIsNotNone(backed_up, out.stdout)
+        backup = Path(backed_up[1])
+        self.assertEqual(backup.read_text(), original)
+        return backup
+
+    def test_the_state_dir_variable_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-env")
+        env = {**self.env, "SMOL_MCP_STATE_DIR": str(state)}
+        backup = self.write_backed_up(env)
+        self.assertEqual(backup.parent, state / "backups")
+        self.assertEqual(stat.S_IMODE(state.stat().st_mode), 0o700)
+
+    def test_the_config_files_state_dir_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-file")
+        Path(self.env["SMOL_MCP_CONFIG"]).write_text(
+            json.dumps({"stateDir": str(state)})
+        )
+        backup = self.write_backed_up(self.env)
+        self.assertEqual(backup.parent, state / "backups")
+
+
 class PublishTests(unittest.TestCase):
     """Ready to publish. The metadata agrees with itself; the build
     itself (with the oldest setuptools the pyproject accepts) is in
@@ -14538,6 +14950,26 @@ def tools_granted(scopes) -> list[str]:
     return tools_at(*levels)
 
 
+class ScopeLevelGrowthTests(unittest.TestCase):
+    """A scope level is one word in SCOPE_LEVELS: the scopes, the presets
+    and the consent page's grants that carry every level take it."""
+
+    def test_every_level_reaches_the_grants_and_presets(self):
+        full = set(smol_mcp.GRANTS["Full"])
+        sandbox = set(smol_mcp.GRANTS["Sandbox"])
+        preset = set(smol_mcp.SCOPE_PRESETS["sandbox"].split(","))
+        for level in smol_mcp.SCOPE_LEVELS:
+            with self.subTest(level=level):
+                self.assertIn(f"machines.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"sandbox.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"machines.{level}", full)
+                self.assertIn(f"sandbox.{level}", sandbox)
+                self.assertIn(f"sandbox.{level}", preset)
+        # the sandbox grants see only their own machines: nothing wider
+        self.assertTrue(all(s.startswith("sandbox.") for s in sandbox))
+        self.assertTrue(all(s.startswith("sandbox.") for s in preset))
+
+
 class AccessPiecesTests(unittest.TestCase):
     def test_scope_table_covers_every_tool_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
@@ -14702,7 +15134,10 @@ class ReservedTokenNameTests(unittest.TestCase):
                     smol_mcp.ConfigError, "cannot be a token name"
                 ):
                     store.create(
-                        name, ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+                        name,
+                        ("machines.read",),
+                        tuple(smol_mcp.FLEETS),
+                        "none",
                     )
             self.assertEqual(store.records(), [])
 
@@ -15206,7 +15641,7 @@ class AgentAccessHttpTests(HttpCase):
                 _, self.secrets["gone"] = self.store.create(
                     "gone",
                     smol_mcp.parse_scopes(SANDBOX),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                 )
                 async with self.as_token("gone", mode) as c:
@@ -15378,7 +15813,7 @@ class PlainApiTests(HttpCase):
             self.secrets[name] = self.store.create(
                 name,
                 smol_mcp.parse_scopes(scopes),
-                smol_mcp.FLEET_NAMES,
+                tuple(smol_mcp.FLEETS),
                 "none",
             )[1]
 
@@ -15536,7 +15971,7 @@ class PlainApiTests(HttpCase):
         _, secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
         self.secrets["held"] = secret
@@ -16065,7 +16500,7 @@ class OAuthTests(OAuthCase):
         record, _ = self.store.create(
             "raced",
             ("machines.read",),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "none",
             clientId="c",
         )
@@ -16462,7 +16897,7 @@ class OAuthTests(OAuthCase):
                 self.store.create(
                     f"g{client_id[:8]}",
                     ("machines.read",),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                     clientId=client_id,
                 )
@@ -19815,7 +20250,7 @@ class ApprovalHttpTests(HttpCase):
         _, self.secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage,machines.read"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
 
@@ -19846,7 +20281,7 @@ class ApprovalHttpTests(HttpCase):
                 _, self.secret = self.store.create(
                     "held",
                     smol_mcp.parse_scopes("machines.manage,machines.read"),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "changes",
                 )
 
@@ -19961,7 +20396,7 @@ class ConsoleBrowserTests(HttpCase):
             "machines.manage,machines.read,machines.exec"
         )
         self.held = self.store.create(
-            "held", scopes, smol_mcp.FLEET_NAMES, "changes"
+            "held", scopes, tuple(smol_mcp.FLEETS), "changes"
         )[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
@@ -20149,7 +20584,11 @@ class ConsoleBrowserTests(HttpCase):
         )  # "default"
         scopes = smol_mcp.parse_scopes("machines.read")
         self.store.create(
-            "granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude"
+            "granted",
+            scopes,
+            tuple(smol_mcp.FLEETS),
+            "none",
+            client="<b>Claude",
         )
         await (
             page.reload()
