@@ -4508,6 +4508,7 @@ class ThirdFleet:
     branch_needs_start = False
     usable = False
     RUNS_NOTHING = "the third fleet is a test's: nothing runs in it"
+    pool_refusal = "the third fleet is a test's: it keeps no warm pools"
 
     def __init__(
         self, config: Config, environ: dict[str, str] | None = None
@@ -4565,6 +4566,27 @@ class ThirdFleet:
         raise smol_mcp.SmolError(self.RUNS_NOTHING)
 
     def pull_image(self, name: str, image: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def pause_machine(self, name: str) -> tuple[dict, bool]:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def resume_machine(self, name: str) -> tuple[dict, bool]:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def save_state(self, name: str, state: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def restore_state(self, saved: dict, child: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def delete_state(self, saved: dict) -> None:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def publish_port(self, name: str, guest: int, host: int | None) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def unpublish_port(self, name: str, guest: int) -> dict:
         raise smol_mcp.SmolError(self.RUNS_NOTHING)
 
     def probe_ready(self, name: str) -> str | None:
@@ -9565,7 +9587,7 @@ class SlowBodyProcessTests(unittest.TestCase):
         state = f"{self.tmp}/state"
         store = smol_mcp.TokenStore(state)
         every = tuple(smol_mcp.SCOPES)
-        fleets = smol_mcp.FLEET_NAMES
+        fleets = tuple(smol_mcp.FLEETS)
         self.victim = store.create("victim", every, fleets, "none")[1]
         self.attacker = store.create(
             "attacker", ("sandbox.read",), fleets, "none"
@@ -17788,7 +17810,7 @@ class BodyShareTests(FrontCase):
         self,
     ):
         other = self.store.create(
-            "other", ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+            "other", ("machines.read",), tuple(smol_mcp.FLEETS), "none"
         )[1]
         share = smol_mcp.HTTP_BODIES_PER_CALLER
         held = self.held(share, "/mcp", self.token_headers())
@@ -18023,7 +18045,7 @@ class TrustedProxyTests(FrontCase):
         self.assertIn(
             "trustedProxies (SMOL_MCP_TRUSTED_PROXIES)", str(caught.exception)
         )
-        self.assertIn("SMOL_MCP_TRUSTED_PROXIES", smol_mcp.HELP_EPILOG)
+        self.assertIn("SMOL_MCP_TRUSTED_PROXIES", smol_mcp.help_epilog())
 
 
 class ConsentShareTests(FrontCase):
