@@ -126,88 +126,151 @@ DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 MOUNT_ROOT_WRITABLE = ":rw"
 
 
+# Kinds read from the config file only: a structure has no spelling as
+# one environment variable.
+FILE_ONLY_KINDS = ("pools",)
+
+
 def setting_field(
-    default: Any, env: str = "", kind: str = "", **limits: Any
+    default: Any,
+    env: str = "",
+    kind: str = "",
+    *,
+    example: Any = None,
+    **limits: Any,
 ) -> Any:
     """One Config field: its default, its environment variable (SMOL_MCP_
-    and the name in capitals unless given), its kind ("str", "int",
-    "choice", "version", "list", "secret"; inferred unless given; ints
-    take ``minimum`` and ``maximum``) and its file key (the camelCase
-    name). SETTINGS derives from these."""
+    and the name in capitals unless given; none for a FILE_ONLY_KINDS
+    kind), its kind ("str", "int", "choice", "version", "list",
+    "secret", "fleets", "pools"; inferred unless given; ints take
+    ``minimum`` and ``maximum``), a valid ``example`` other than the
+    default (as the config file would hold it) and its file key (the
+    camelCase name). SETTINGS derives from these."""
     if not kind and "choices" in limits:
         kind = "choice"
     elif not kind:
         kind = {int: "int", tuple: "list"}.get(type(default), "str")
-    rule = {"env": env, "kind": kind, **limits}
+    rule = {"env": env, "kind": kind, "example": example, **limits}
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
 
 
 @dataclass(frozen=True)
+class WarmPool:
+    """One pool of warmPools: the machine its workers are branched from,
+    and how many the engine keeps booted (None: the setting's default)."""
+
+    name: str
+    image: str
+    ready: int
+    cpus: int | None = None
+    memory_mb: int | None = None
+    network: str | None = None
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
-    smolvm: str = setting_field("smolvm", "SMOLVM")
-    min_smolvm: str = setting_field("1.14.0", kind="version")
-    local_url: str = setting_field("", "SMOL_LOCAL_URL")
-    runtime_dir: str = setting_field("")
-    machine_prefix: str = setting_field("mcp-")
-    memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
-    cpus: int = setting_field(2, minimum=1, maximum=255)
+    smolvm: str = setting_field(
+        "smolvm", "SMOLVM", example="/opt/smolmachines/smolvm"
+    )
+    min_smolvm: str = setting_field("1.14.0", kind="version", example="1.2.3")
+    local_url: str = setting_field(
+        "", "SMOL_LOCAL_URL", example="unix:///run/smolvm/serve.sock"
+    )
+    runtime_dir: str = setting_field("", example="/run/user/1000/smol-mcp")
+    machine_prefix: str = setting_field("mcp-", example="tmp-")
+    memory_mb: int = setting_field(
+        2048, minimum=128, maximum=1048576, example=4096
+    )
+    cpus: int = setting_field(2, minimum=1, maximum=255, example=4)
     network_default: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
     run_once_network: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
-    ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
-    exec_timeout_secs: int = setting_field(120, minimum=1)
-    max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
+    ephemeral_ttl_secs: int = setting_field(3600, minimum=60, example=7200)
+    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60, example=600)
+    exec_timeout_secs: int = setting_field(120, minimum=1, example=60)
+    max_exec_timeout_secs: int = setting_field(
+        900, minimum=1, maximum=86400, example=1200
+    )
     max_output_bytes: int = setting_field(
-        65536, minimum=1024, maximum=64 * 1024 * 1024
+        65536, minimum=1024, maximum=64 * 1024 * 1024, example=4096
     )
-    ready_timeout_secs: int = setting_field(120, minimum=1)
-    serve_start_timeout_secs: int = setting_field(60, minimum=1)
-    logs_tail: int = setting_field(100, minimum=1, maximum=100000)
-    logs_poll_secs: int = setting_field(2, minimum=1)
-    cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
-    cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field(
-        "auto", choices=("auto", "local", "cloud", "both")
+    ready_timeout_secs: int = setting_field(120, minimum=1, example=30)
+    serve_start_timeout_secs: int = setting_field(60, minimum=1, example=30)
+    logs_tail: int = setting_field(100, minimum=1, maximum=100000, example=10)
+    logs_poll_secs: int = setting_field(2, minimum=1, example=5)
+    cloud_url: str = setting_field(
+        DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL", example="https://api.example.com"
     )
-    http_host: str = setting_field("127.0.0.1")
-    http_port: int = setting_field(8080, minimum=1, maximum=65535)
-    http_path: str = setting_field("/mcp")
-    auth_token: str = setting_field("", kind="secret")
-    http_session_idle_secs: int = setting_field(1800, minimum=1)
-    http_allowed_hosts: tuple[str, ...] = setting_field(())
-    http_allowed_origins: tuple[str, ...] = setting_field(())
+    cloud_token: str = setting_field(
+        "", "SMOL_CLOUD_TOKEN", "secret", example="smk_example"
+    )
+    # Which fleets (section 3) it serves: "auto", "both" or their names
+    # joined by commas; read against the registry once it is filled.
+    targets: str = setting_field("auto", kind="fleets", example="local,cloud")
+    http_host: str = setting_field("127.0.0.1", example="0.0.0.0")
+    http_port: int = setting_field(
+        8080, minimum=1, maximum=65535, example=9000
+    )
+    http_path: str = setting_field("/mcp", example="/smol/mcp")
+    auth_token: str = setting_field("", kind="secret", example="a-secret")
+    http_session_idle_secs: int = setting_field(1800, minimum=1, example=60)
+    http_allowed_hosts: tuple[str, ...] = setting_field(
+        (), example=["mcp.example.com"]
+    )
+    http_allowed_origins: tuple[str, ...] = setting_field(
+        (), example=["https://app.example.com"]
+    )
     # --http behind a reverse proxy: the proxy's addresses, whose
     # X-Forwarded-For then names the caller. Empty: the peer is the caller.
-    trusted_proxies: tuple[str, ...] = setting_field(())
-    state_dir: str = setting_field("")
+    trusted_proxies: tuple[str, ...] = setting_field((), example=["10.0.0.1"])
+    state_dir: str = setting_field("", example="/var/lib/smol-mcp")
     # --http behind a proxy or TLS
-    public_url: str = setting_field("")
+    public_url: str = setting_field("", example="https://mcp.example.com")
     # Empty: every scope (section 11).
-    scopes: tuple[str, ...] = setting_field(())
-    mount_roots: tuple[str, ...] = setting_field(())
+    scopes: tuple[str, ...] = setting_field(
+        (), example=["machines.read", "sandbox.exec"]
+    )
+    mount_roots: tuple[str, ...] = setting_field(
+        (), example=["/srv", "/work:rw"]
+    )
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field("none", choices=("none", "changes"))
+    approval: str = setting_field(
+        "none", choices=("none", "changes"), example="changes"
+    )
     approval_timeout_secs: int = setting_field(
-        900, minimum=1, maximum=7 * 86400
+        900, minimum=1, maximum=7 * 86400, example=60
     )
-    approval_webhook: str = setting_field("")
+    approval_webhook: str = setting_field(
+        "", example="https://hooks.example/smol"
+    )
     approval_via: str = setting_field(
-        "terminal", choices=("terminal", "client")
+        "terminal", choices=("terminal", "client"), example="client"
     )
-    egress_private_cidrs: tuple[str, ...] = setting_field(())
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), example=["10.0.0.0/8", "fd00::/64"]
+    )
+    reply_tokens: int = setting_field(
+        20000, minimum=4000, maximum=1_000_000, example=50000
+    )
     # The host address published ports bind (one IPv4 address; empty: the
     # engine's loopback), and the host ports an agent may name.
-    expose_hosts: tuple[str, ...] = setting_field(())
-    expose_ports: tuple[str, ...] = setting_field(())
-    reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
+    expose_hosts: tuple[str, ...] = setting_field((), example=["192.0.2.10"])
+    expose_ports: tuple[str, ...] = setting_field(
+        (), example=["8000-8099", "9000"]
+    )
+    # Booted machines the operator keeps ready (WarmPool, above).
+    warm_pools: tuple[WarmPool, ...] = setting_field(
+        (), kind="pools", example={"py": {"image": "alpine", "ready": 2}}
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and
@@ -228,6 +291,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     minimum: int | None = None
     maximum: int | None = None
+    # A valid value other than the default, as the config file holds it.
+    example: Any = None
 
 
 def _camel(attr: str) -> str:
@@ -237,6 +302,8 @@ def _camel(attr: str) -> str:
 def _setting(f: dataclasses.Field) -> Setting:
     rule = f.metadata["setting"]
     env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
+    if rule["kind"] in FILE_ONLY_KINDS:
+        env = ""
     return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
 
 
@@ -274,6 +341,10 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return value.strip()
     if setting.kind == "int":
         return _parse_int(setting, value, source, where)
+    if setting.kind == "pools":
+        return parse_warm_pools(value, where)
+    if setting.kind == "fleets":
+        return _parse_fleets(value, where)
     # The one kind left: "list".
     if source == "env":
         value = value.split(",")
@@ -322,6 +393,123 @@ def _parse_int(setting: Setting, value: Any, source: str, where: str) -> int:
     return value
 
 
+# warmPools: each pool holds up to 16 booted machines, and a host holds
+# few such pools. A pool's name leaves room for the machines named after
+# it (smol-pool-NAME, and the engine's pool-NAME-xxxxxxxx).
+WARM_POOLS_MAX = 8
+WARM_POOL_READY_MAX = 16
+WARM_POOL_NAME_MAX = 64
+# Each key of a pool: (its WarmPool attribute, its rule).
+WARM_POOL_KEYS = {
+    "image": ("image", "a string"),
+    "ready": ("ready", (1, WARM_POOL_READY_MAX)),
+    "cpus": ("cpus", (1, 255)),
+    "memoryMb": ("memory_mb", (128, 1048576)),
+    "network": ("network", ("open", "blocked")),
+    "allowHosts": ("allow_hosts", "a list"),
+    "allowCidrs": ("allow_cidrs", "a list"),
+}
+
+
+def parse_warm_pools(value: Any, where: str) -> tuple[WarmPool, ...]:
+    """warmPools as WarmPools, in the file's order; raise ConfigError
+    naming the pool and key at the first flaw (egress entries are
+    checked with the other settings, in _check_warm_pools)."""
+    example = '{"py": {"image": "python:3.12-alpine", "ready": 2}}'
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{where} must be an object of pools by name, such as {example}"
+            f"; got {_json_type(value)}"
+        )
+    if len(value) > WARM_POOLS_MAX:
+        raise ConfigError(
+            f"{where} names {len(value)} pools; at most {WARM_POOLS_MAX}, "
+            "as each keeps booted machines on this host"
+        )
+    return tuple(_warm_pool(name, spec, where) for name, spec in value.items())
+
+
+def _warm_pool(name: str, spec: Any, where: str) -> WarmPool:
+    """One pool of warmPools; raise ConfigError naming its flaw."""
+    at = f'{where}, pool "{name}",'
+    named = NAME_RE.fullmatch(name) and len(name) <= WARM_POOL_NAME_MAX
+    if not named:
+        raise ConfigError(
+            f"{where} names the pool {name!r}: a pool name starts with a "
+            "letter or digit and holds only letters, digits, '-' and '_', "
+            f"at most {WARM_POOL_NAME_MAX} of them"
+        )
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"{at} must be an object such as "
+            f'{{"image": "alpine", "ready": 2}}; got {_json_type(spec)}'
+        )
+    for key in spec:
+        if key not in WARM_POOL_KEYS:
+            maybe = did_you_mean(key, WARM_POOL_KEYS)
+            raise ConfigError(
+                f'{at} has no key "{key}"{maybe}; the keys are: '
+                f"{', '.join(WARM_POOL_KEYS)}"
+            )
+    for key in ("image", "ready"):
+        if key not in spec:
+            raise ConfigError(f'{at} needs "{key}"')
+    fields = {
+        WARM_POOL_KEYS[key][0]: _warm_pool_value(key, raw, at)
+        for key, raw in spec.items()
+    }
+    return WarmPool(name, **fields)
+
+
+def _warm_pool_value(key: str, raw: Any, at: str) -> Any:
+    """One key's value of a pool, as WarmPool holds it; raise ConfigError
+    when it breaks the key's rule."""
+    rule = WARM_POOL_KEYS[key][1]
+    if rule == "a string":
+        text = raw.strip() if isinstance(raw, str) else ""
+        if not text or re.search(r"[\x00-\x20\x7f]", text):
+            raise ConfigError(
+                f'{at} "{key}" must be an image reference such as alpine, '
+                f"without spaces; got {json.dumps(raw)[:60]}"
+            )
+        return text
+    if rule == "a list":
+        if not isinstance(raw, list) or not all(
+            isinstance(item, str) for item in raw
+        ):
+            raise ConfigError(f'{at} "{key}" must be a list of strings')
+        return tuple(raw)
+    if isinstance(rule[0], str):
+        if raw not in rule:
+            raise ConfigError(
+                f'{at} "{key}" must be one of {", ".join(rule)}; '
+                f"got {json.dumps(raw)[:60]}"
+            )
+        return raw
+    whole = isinstance(raw, int) and not isinstance(raw, bool)
+    if not whole or not rule[0] <= raw <= rule[1]:
+        raise ConfigError(
+            f'{at} "{key}" must be a whole number from {rule[0]} to '
+            f"{rule[1]}; got {json.dumps(raw)[:60]}"
+        )
+    return raw
+
+
+def _parse_fleets(value: Any, where: str) -> str:
+    """A "fleets" value: "auto", "both", or fleet names joined by commas
+    (section 3), in the registry's order; raise ConfigError when it is
+    none of these, naming the fleets."""
+    if isinstance(value, str) and value.strip() in ("auto", "both"):
+        return value.strip()
+    try:
+        if not isinstance(value, str):
+            raise ValueError(f"got {_json_type(value)}")
+        return ",".join(named_fleets(value))
+    except ValueError as err:
+        accepted = fleets_accepted("auto")
+        raise ConfigError(f"{where} must be {accepted}; {err}") from None
+
+
 def _json_type(value: Any) -> str:
     names = {
         bool: "a boolean",
@@ -343,7 +531,7 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     path = config_file_path(environ)
     values = _file_values(_read_config_file(path), path)
     for setting in SETTINGS:
-        if setting.env in environ:
+        if setting.env and setting.env in environ:
             raw = environ[setting.env]
             values[setting.attr] = _parse_setting(setting, raw, "env")
     config = Config(**values)
@@ -449,6 +637,28 @@ def _check_config(config: Config) -> None:
     if webhook and scheme not in ("http", "https"):
         why = f"must be an http:// or https:// URL, got {webhook!r}"
         raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
+    _check_warm_pools(config)
+
+
+def _check_warm_pools(config: Config) -> None:
+    """Raise ConfigError for a pool whose egress create-machine would
+    refuse: an allow list and a network together, or an entry no allow
+    list may hold."""
+    for pool in config.warm_pools:
+        at = f'warmPools, pool "{pool.name}",'
+        lists = pool.allow_hosts or pool.allow_cidrs
+        if lists and pool.network is not None:
+            raise ConfigError(
+                f'{at} gives "network" and an allow list: an allow list '
+                "already means egress to those destinations only; keep one"
+            )
+        try:
+            for index, host in enumerate(pool.allow_hosts):
+                egress_host(host, f"allowHosts[{index}]", True, config)
+            for index, cidr in enumerate(pool.allow_cidrs):
+                egress_cidr(cidr, f"allowCidrs[{index}]", config)
+        except ArgumentError as err:
+            raise ConfigError(f"{at} {err}") from None
 
 
 def _check_public_url(config: Config) -> None:
@@ -642,6 +852,11 @@ class Paused(NotRunning):
     text says what to do for the others)."""
 
 
+class PoolEmpty(SmolError):
+    """No warm machine could be leased from a pool; the text says why (the
+    machine is then made cold from the pool's spec)."""
+
+
 class ApiError(SmolError):
     """The machine API refused a request; keeps its status, code and
     message to branch on."""
@@ -724,6 +939,8 @@ class Fleet(Protocol):
     mounts_host_paths: bool
     # The engine makes a branch source when it starts the machine.
     branch_needs_start: bool
+    # Why create-machine's pool is refused here; None where it leases.
+    pool_refusal: str | None
     # How the server's instructions name the fleet.
     served_as: str
     # The fleet's own line in the server's instructions.
@@ -809,13 +1026,50 @@ class Fleet(Protocol):
 
 
 # Instructions and smol://targets list the fleets in the order they register.
+# Everything that names the fleets reads this table when it runs, so a test
+# may add a fleet and take it out again (FLEETS.pop).
 FLEETS: dict[str, type[Fleet]] = {}
 
 
 def registered(cls: type) -> type:
-    """A fleet class decorator: its one row in FLEETS, under its ``name``."""
+    """A fleet class decorator: its one row in FLEETS, under its ``name``;
+    raise ValueError when a fleet of that name is registered already."""
+    if cls.name in FLEETS:
+        raise ValueError(f"a fleet named {cls.name!r} is registered already")
     FLEETS[cls.name] = cls
     return cls
+
+
+def named_fleets(text: str) -> tuple[str, ...]:
+    """Return the fleets ``text`` names, in the registry's order: "both"
+    is every fleet, else fleet names joined by commas; raise ValueError
+    ("got ...") when it names none, or anything that is not a fleet."""
+    if text.strip() == "both":
+        return tuple(FLEETS)
+    words = {word.strip() for word in text.split(",")} - {""}
+    if not words or not words <= set(FLEETS):
+        raise ValueError(f"got {text!r}")
+    return tuple(name for name in FLEETS if name in words)
+
+
+def fleets_accepted(*first: str) -> str:
+    """Return what a setting or flag naming fleets accepts, as words
+    after "must be" ("one of auto, local, cloud, both, or ..."), with
+    the words ``first`` before the fleets' names."""
+    words = ", ".join([*first, *FLEETS, "both"])
+    if len(FLEETS) < 2:
+        return f"one of {words}"
+    pair = ",".join(list(FLEETS)[:2])
+    return f"one of {words}, or fleets joined by commas such as {pair}"
+
+
+def spoken(words: Iterable[str], last: str = "and") -> str:
+    """Return ``words`` as a sentence lists them: "a", "a and b", "a, b
+    and c" (``last`` is the word before the last one)."""
+    words = list(words)
+    if len(words) < 2:
+        return "".join(words)
+    return f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 # -- the local fleet --------------------------------------------------------
@@ -1957,13 +2211,20 @@ class LocalFleet(LocalServe):
     instruction = (
         "- Local: the engine fetches a registry image on the host, so a "
         "pull needs no egress in the machine: do not open the network for "
-        "it. mounts, overlayGb, cmd and pull-image are local only; "
-        "branch-machine needs a Linux or macOS host."
+        "it. mounts, overlayGb and cmd are local only; branch-machine "
+        "needs a Linux or macOS host."
     )
     # The local engine records refusals, and amends the allow list in place.
     amends_egress = True
     mounts_host_paths = True
     branch_needs_start = True
+    # The engine keeps fork pools (warmPools): create-machine's pool works.
+    pool_refusal = None
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        super().__init__(config, environ)
+        # The pool leases this process holds, by machine name.
+        self.leases = Leases(self)
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -1984,6 +2245,7 @@ class LocalFleet(LocalServe):
             f"hypervisor: {facts['hypervisor']['detail']}",
             f"serve: {facts['serve']}",
             describe_mount_roots(app.config),
+            *app.pools.doctor_lines(),
         ]
         if smolvm["path"] or app.config.local_url or smolvm["version"]:
             return details, []
@@ -2172,6 +2434,12 @@ class LocalFleet(LocalServe):
         return local_record(answer)
 
     def delete_machine(self, name: str) -> dict:
+        """Delete a machine; a pooled one is the pool's, so its lease is
+        completed instead (the engine replaces the worker)."""
+        lease = self.leases.get(name)
+        if lease is not None:
+            self.leases.complete(lease)
+            return {"deleted": name}
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
@@ -2691,6 +2959,243 @@ class LocalFleet(LocalServe):
         body = {"ports": ports}
         return self._machine(action, "PUT", f"{_q(name)}/ports", body)
 
+    # -- warm pools: the engine's fork pools and their leases --------------
+
+    def list_pools(self) -> list[dict]:
+        """The engine's fork pools (ForkPoolInfo records)."""
+        answer = self.request("list the fork pools", "GET", "/api/v1/pools")
+        return [pool for pool in answer["pools"] if isinstance(pool, dict)]
+
+    def pools_now(self) -> list[dict] | None:
+        """list_pools from a serve that already answers, starting nothing
+        (doctor, smol://pools); None when none answers."""
+        try:
+            status, _, body = self._raw_request(
+                "GET", "/api/v1/pools", timeout=5
+            )
+            pools = json.loads(body)["pools"] if status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            return None
+        if not isinstance(pools, list):
+            return None
+        return [pool for pool in pools if isinstance(pool, dict)]
+
+    def create_pool(self, name: str, source: str, ready: int) -> dict:
+        """Ask for a fork pool of ``ready`` workers branched from the
+        running, branchable ``source``, which the engine then freezes."""
+        body = {
+            "name": name,
+            "source": source,
+            "desiredReady": ready,
+            "freezeSource": True,
+        }
+        action = f"create the fork pool '{name}'"
+        return self.request(action, "POST", "/api/v1/pools", body)
+
+    def lease(
+        self, pool: str, key: str, env: dict[str, str]
+    ) -> tuple[dict, float]:
+        """Lease a clean worker of ``pool`` at once (waitSecs 0): the lease
+        (ForkLeaseInfo) and the seconds the engine took. A connection
+        dropped mid-request is retried once under the same idempotency
+        key, which answers the same lease rather than a second one."""
+        body = {
+            "idempotencyKey": key,
+            "env": [f"{name}={value}" for name, value in env.items()],
+            "waitSecs": 0,
+        }
+        action = f"lease a machine from the pool '{pool}'"
+        route = f"/api/v1/pools/{_q(pool)}/leases"
+        started = time.monotonic()
+        try:
+            answer = self.request(action, "POST", route, body)
+        except ApiError:
+            raise
+        except SmolError as err:
+            # Perhaps after the engine leased: the same key answers that.
+            log.info("a lease from %s is asked again: %s", pool, err)
+            started = time.monotonic()
+            answer = self.request(action, "POST", route, body)
+        return answer, time.monotonic() - started
+
+    def heartbeat_lease(self, pool: str, lease_id: str) -> dict:
+        action = f"keep the lease {lease_id} of the pool '{pool}' alive"
+        route = f"/api/v1/pools/{_q(pool)}/leases/{_q(lease_id)}/heartbeat"
+        return self.request(action, "POST", route)
+
+    def complete_lease(self, pool: str, lease_id: str) -> dict:
+        action = f"complete the lease {lease_id} of the pool '{pool}'"
+        route = f"/api/v1/pools/{_q(pool)}/leases/{_q(lease_id)}/complete"
+        return self.request(action, "POST", route)
+
+
+# A held lease's heartbeat comes every third of its TTL, so two may fail
+# before it expires; never more often than this.
+LEASE_BEAT_MIN_SECS = 5
+# The engine's default lease TTL, for a lease that does not say its own.
+LEASE_TTL_DEFAULT_SECS = 600
+# How long the heartbeat thread waits for a next lease once none is held.
+LEASE_BEATER_LINGER_SECS = 30
+
+
+def lease_beat_secs(ttl_secs: float) -> float:
+    """How often a lease of ``ttl_secs`` gets its heartbeat."""
+    return max(LEASE_BEAT_MIN_SECS, ttl_secs / 3)
+
+
+@dataclass
+class Lease:
+    """A pooled machine this process holds: the pool's lease of it, who
+    holds it, and when its heartbeat is due."""
+
+    pool: str
+    id: str
+    machine: str
+    principal: str = ""
+    # Its session (beats stop once it has ended); None for a lease a
+    # stopped process left, adopted only to be completed.
+    session: Any = None
+    beat_secs: float = float(LEASE_TTL_DEFAULT_SECS)
+    beat_at: float = math.inf
+
+
+class Leases:
+    """The leases of pooled machines this process holds, by machine name:
+    a delete completes one, a thread beats their heartbeats while their
+    sessions live, and the session records name them for the crash
+    sweep."""
+
+    def __init__(self, fleet: LocalFleet):
+        self.fleet = fleet
+        self._held: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._beating = False
+
+    def get(self, machine: str) -> Lease | None:
+        return self._held.get(machine)
+
+    def held_by(self, pool: str, principal: str) -> int:
+        """How many of ``pool``'s workers ``principal`` holds."""
+        with self._lock:
+            return sum(
+                1
+                for lease in self._held.values()
+                if lease.pool == pool and lease.principal == principal
+            )
+
+    def add(self, lease: Lease) -> None:
+        """Hold ``lease``; its heartbeats start (the thread with them)."""
+        lease.beat_at = time.monotonic() + lease.beat_secs
+        with self._lock:
+            self._held[lease.machine] = lease
+            start = not self._beating
+            self._beating = True
+        if start:
+            threading.Thread(
+                target=self._beat_while_held,
+                name="smol-mcp lease heartbeats",
+                daemon=True,
+            ).start()
+        self._wake.set()
+
+    def drop(self, machine: str) -> None:
+        with self._lock:
+            self._held.pop(machine, None)
+        self._wake.set()
+
+    def records(self, machines: Iterable[str]) -> dict[str, dict]:
+        """The leases of ``machines``, as a session record keeps them."""
+        held = [self._held.get(name) for name in machines]
+        return {
+            lease.machine: {"pool": lease.pool, "id": lease.id}
+            for lease in held
+            if lease is not None
+        }
+
+    def adopt(self, records: Any) -> None:
+        """Hold the leases a stopped process's session record names (no
+        heartbeats), so that deleting their machines completes them; a
+        malformed entry is left out."""
+        if not isinstance(records, dict):
+            return
+        for machine, lease in records.items():
+            if not isinstance(lease, dict):
+                continue
+            pool = lease.get("pool")
+            lease_id = lease.get("id")
+            if isinstance(pool, str) and isinstance(lease_id, str):
+                with self._lock:
+                    self._held[machine] = Lease(pool, lease_id, machine)
+
+    def complete(self, lease: Lease) -> None:
+        """Complete ``lease``, and forget it. A lease the engine already
+        ended (expired, or its pool gone) leaves its worker to delete,
+        if it is still there."""
+        try:
+            self.fleet.complete_lease(lease.pool, lease.id)
+        except ApiError as err:
+            if err.status not in (404, 409):
+                raise
+            log.info("lease %s had ended: %s", lease.id, err.api_message)
+            name = lease.machine
+            try:
+                self.fleet._machine(
+                    f"delete machine '{name}'", "DELETE", _q(name)
+                )
+            except ApiError as gone:
+                if gone.status != 404:
+                    raise
+        self.drop(lease.machine)
+
+    def _beat_while_held(self) -> None:
+        """Beat each held lease's heartbeat when due, until none has been
+        held for LEASE_BEATER_LINGER_SECS (a thread costs a lease more
+        than its wait)."""
+        empty_since = None
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                held = list(self._held.values())
+                if held:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = now
+                elif now - empty_since >= LEASE_BEATER_LINGER_SECS:
+                    self._beating = False
+                    return
+            due = [lease for lease in held if lease.beat_at <= now]
+            for lease in due:
+                self._beat(lease)
+            if not due:
+                wait = LEASE_BEATER_LINGER_SECS
+                if held:
+                    wait = min(lease.beat_at for lease in held) - now
+                self._wake.wait(min(60.0, wait))
+                self._wake.clear()
+
+    def _beat(self, lease: Lease) -> None:
+        """One heartbeat of ``lease``; none once its session has ended, or
+        the engine has ended the lease. A failure is logged, and the next
+        beat tries again."""
+        if lease.session is None or lease.session.ended:
+            lease.beat_at = math.inf
+            return
+        lease.beat_at = time.monotonic() + lease.beat_secs
+        try:
+            self.fleet.heartbeat_lease(lease.pool, lease.id)
+        except ApiError as err:
+            if err.status in (404, 409):
+                lease.beat_at = math.inf
+            log.warning(
+                "the lease of %s (pool %s) ended: %s",
+                lease.machine,
+                lease.pool,
+                err,
+            )
+        except SmolError as err:
+            log.info("a heartbeat of %s failed: %s", lease.machine, err)
+
 
 def directory_error(
     path: str, response: http.client.HTTPResponse
@@ -2774,13 +3279,15 @@ credential bindings are not used: PUT ~/{name}/credential-values
 publish captures only a cache disk mounted at one guest path, not a
     machine's root file system, so a saved state is a paused branch instead:
     POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one:
-    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}
-    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
-    POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
-    GET /api/v1/pools/{name}/leases/{lease}
+called: GET /api/v1/pools  POST /api/v1/pools
+    POST /api/v1/pools/{name}/leases
     POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
+the operator's warm pools are made and leased from, never resized, deleted,
+    batch-leased or read one by one: GET /api/v1/pools/{name}
+    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+    POST /api/v1/pools/{name}/lease-batches
+    GET /api/v1/pools/{name}/leases/{lease}
 RL rollout executors are a batch surface, not an agent one:
     GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
     GET /api/v1/rollout-executors/{name}
@@ -3403,6 +3910,12 @@ class CloudFleet:
     # No host directories: the cloud's own refusal of mounts says so.
     mounts_host_paths = False
     branch_needs_start = False
+    pool_refusal = (
+        "create-machine's pool is local only: the smol cloud API has no "
+        "pool routes, and keeping paused cloud machines warm would bill "
+        "their storage, which the operator did not ask for. Create the "
+        "machine from an image instead (image, cpus, memoryMb, network)"
+    )
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -4150,9 +4663,6 @@ def exec_stderr(answer: dict) -> str:
     return exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
 
 
-FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
-
-
 # ---------------------------------------------------------------------------
 # 5. Normalised records
 #
@@ -4517,24 +5027,6 @@ def python_pattern(pattern: str) -> str:
     return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)
 
 
-# The arguments that name a machine.
-MACHINE_NAME_ARGUMENTS = ("name", "childName")
-
-
-def refuse_server_names(arguments: dict) -> None:
-    """Raise ArgumentError when an argument names one of this server's own
-    machines (SERVER_MACHINE_PREFIX), which no tool reaches."""
-    for key in MACHINE_NAME_ARGUMENTS:
-        value = arguments.get(key)
-        if isinstance(value, str) and value.startswith(SERVER_MACHINE_PREFIX):
-            raise ArgumentError(
-                f'"{key}" is {value!r}: names starting with '
-                f'"{SERVER_MACHINE_PREFIX}" are kept for this server\'s own '
-                "machines (the copies that hold saved states, say), which "
-                "no tool reaches; pick a name without that prefix"
-            )
-
-
 def guest_path(path: str, where: str = "path") -> str:
     """An absolute guest path in plain POSIX form; one that climbs above
     `/` or holds a control character is refused: on an HTTP route it could
@@ -4559,6 +5051,36 @@ def guest_path(path: str, where: str = "path") -> str:
     if plain == ".":
         return "/"
     return "/" + plain
+
+
+def reserved_machine(
+    name: str,
+    pools: Iterable[WarmPool],
+    owned: Callable[[str], bool],
+    parent: str | None = None,
+) -> str | None:
+    """Why no tool may take the machine ``name``, or None: a smol- machine
+    is this server's own, and a warm pool's worker (named after the pool,
+    or, where the record is at hand, a branch of its source: ``parent``)
+    is the engine's until it is leased through this server (``owned``: it
+    has an owner on record)."""
+    if name.startswith(SERVER_MACHINE_PREFIX):
+        return (
+            f"'{name}' is a name this server keeps for its own machines "
+            f"(every name starting with {SERVER_MACHINE_PREFIX}: warm "
+            "pools' sources, saved states), so no tool takes it; name a "
+            "machine otherwise, or use one list-machines shows"
+        )
+    for pool in pools:
+        worker = name.startswith(f"pool-{pool.name}-")
+        worker = worker or parent == pool_source(pool.name)
+        if worker and not owned(name):
+            return (
+                f"'{name}' is a worker the engine keeps ready for the warm "
+                f"pool '{pool.name}', leased to nobody, so no tool takes "
+                f'it; create-machine with pool: "{pool.name}" leases one'
+            )
+    return None
 
 
 def guest_route_suffix(path: str) -> str:
@@ -5471,7 +5993,9 @@ OUT_RESUMED = _types("resumedMachine:boolean")
 class ToolSpec:
     """One tool: its handler (tool_list_machines answers list-machines)
     and what the client is shown; ``access``: its scope level, then its
-    true annotations ("exec: destructive")."""
+    true annotations ("exec: destructive"). ``fleets`` names the only
+    fleets that serve it (empty: every fleet), and ``refusal`` says to
+    a call on another fleet why not and what to do instead."""
 
     handler: Callable
     title: str
@@ -5479,12 +6003,15 @@ class ToolSpec:
     input_schema: dict
     output_schema: dict
     access: str
+    fleets: tuple[str, ...] = ()
+    refusal: str = ""
     name: str = field(init=False)
     level: str = field(init=False)
 
     def __post_init__(self) -> None:
         handler_name = self.handler.__name__
         self.name = handler_name.removeprefix("tool_").replace("_", "-")
+        self._check_fleets()
         self.level, _, hints = self.access.partition(":")
         known = ("read_only", "destructive", "idempotent", "open_world")
         # A misspelt hint would read as false.
@@ -5496,6 +6023,32 @@ class ToolSpec:
             )
         for hint in known:
             setattr(self, hint, hint in hints.split())
+
+    def _check_fleets(self) -> None:
+        """Raise ValueError when ``fleets`` names no registered fleet, or
+        comes without the ``refusal`` another fleet answers with."""
+        unknown = set(self.fleets) - set(FLEETS)
+        if unknown:
+            raise ValueError(
+                f"{self.name}: fleets {sorted(unknown)} are not registered"
+            )
+        if self.fleets and not self.refusal:
+            raise ValueError(f"{self.name}: fleets without a refusal")
+
+    def serves(self, fleet: str) -> bool:
+        """Whether the fleet named ``fleet`` serves this tool."""
+        return not self.fleets or fleet in self.fleets
+
+    def refuse_on(self, fleet: str) -> None:
+        """Raise ArgumentError, before anything is asked of an engine or a
+        person, when the fleet named ``fleet`` does not serve this tool."""
+        if self.serves(fleet):
+            return
+        only = spoken(self.fleets)
+        raise ArgumentError(
+            f"{self.name} is {only} only, so the {fleet} fleet refuses it: "
+            f"{self.refusal}"
+        )
 
 
 class Call:
@@ -6418,6 +6971,18 @@ ARG_CREATE_NAME = {
         "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."
     ),
 }
+ARG_POOL_SHORT = "a warm pool of booted machines that smol://pools lists"
+ARG_POOL = _string(
+    f"Lease a machine at once from {ARG_POOL_SHORT} (the operator's "
+    "warmPools), instead of booting one from an image; only env may be "
+    "given with it, and the engine names the machine (see the result).",
+    minLength=1,
+    pattern=NAME_PATTERN,
+)
+OUT_CREATED_OR_LEASED = _out(
+    OUT_CREATED["properties"],
+    _types("warm:boolean pool:string readyMs:integer why:string"),
+)
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
 ARG_STATE = _string(
     "The saved state's name (list-states shows them). A name starting with "
@@ -6437,7 +7002,8 @@ ARG_FROM = {
 # image is needed.
 IMAGE_NEEDED = (
     'create-machine needs the argument "image": '
-    f'{ARG_IMAGE["description"]} Or pass "from": a state save-machine made.'
+    f'{ARG_IMAGE["description"]} Or pass "from": a state save-machine made, '
+    f'or "pool": {ARG_POOL_SHORT}.'
 )
 NETWORK_ARGS = dict(
     network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
@@ -6446,12 +7012,12 @@ NETWORK_ARGS = dict(
 TOOLS: list[ToolSpec] = []
 
 
-def tool(*spec: Any) -> Callable:
-    """Register the handler below as a tool: ``spec`` is its ToolSpec's
-    fields after the handler."""
+def tool(*spec: Any, **keywords: Any) -> Callable:
+    """Register the handler below as a tool: ``spec`` and ``keywords``
+    are its ToolSpec's fields after the handler."""
 
     def register(handler: Callable) -> Callable:
-        TOOLS.append(ToolSpec(handler, *spec))
+        TOOLS.append(ToolSpec(handler, *spec, **keywords))
         return handler
 
     return register
@@ -6470,12 +7036,14 @@ def tool(*spec: Any) -> Callable:
 )
 async def tool_list_machines(call: Call, args: dict) -> dict:
     machines = await call.read(call.fleet.list_machines)
-    # This server's own machines (SERVER_MACHINE_PREFIX) are not listed.
+    # The server's own machines and the pools' unleased workers: no tool
+    # takes them, so none is listed.
+    reserved = call.app.reserved_for(call.fleet)
     return {
         "machines": [
-            machine
-            for machine in machines
-            if not str(machine["name"]).startswith(SERVER_MACHINE_PREFIX)
+            m
+            for m in machines
+            if not reserved(m["name"], parent=m.get("parent"))
         ]
     }
 
@@ -6593,10 +7161,11 @@ async def machine_spec(
     "answering once a command has run in it. Egress is blocked unless "
     'network is "open" or an allow-list is given. A name starting with the '
     "ephemeral prefix (mcp- by default), or no name, makes a machine that "
-    "is deleted when this session ends; any other name persists. Uses host "
-    "CPU, memory and disk while it exists. With from instead of an image, "
-    "the machine starts from a saved state (save-machine), where its "
-    "source was when saved.",
+    "is deleted when this session ends; any other name persists. With "
+    "pool, a machine the operator's warm pool keeps booted is leased at "
+    "once instead (ephemeral too). Uses host CPU, memory and disk while it "
+    "exists. With from instead of an image, the machine starts from a "
+    "saved state (save-machine), where its source was when saved.",
     _input(
         "",
         name=ARG_CREATE_NAME,
@@ -6618,13 +7187,16 @@ async def machine_spec(
         env=ARG_ENV,
         branchable=_boolean("Make it a branch source for branch-machine."),
         start=_boolean("Start it and wait for the guest (default true)."),
+        pool=ARG_POOL,
     ),
-    OUT_CREATED,
+    OUT_CREATED_OR_LEASED,
     "manage: open_world",
 )
 async def tool_create_machine(call: Call, args: dict) -> dict:
     if "from" in args:
         return await create_from_state(call, args)
+    if "pool" in args:
+        return await create_from_pool(call, args)
     if "image" not in args:
         raise ArgumentError(IMAGE_NEEDED)
     name = args.get("name") or call.new_ephemeral_name()
@@ -6695,6 +7267,596 @@ async def create_recorded(
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
+
+
+# -- warm pools: machines the operator keeps booted -------------------------
+#
+# warmPools (section 1) names pools of booted workers on the local engine.
+# At the first local tool call, a thread of WarmPools makes each pool: its
+# source machine smol-pool-POOL (the operator's, never listed), started as
+# a branch source, then the engine's fork pool, which freezes the source
+# and keeps `ready` workers branched from it; a pool the engine already
+# has is adopted. create-machine {pool} leases a worker (one request, no
+# readiness command: the worker booted long ago), holds the lease for the
+# caller's session (Leases, section 3), and completes it where another
+# machine would be deleted. No clean worker, a pool not made, or a caller
+# past its share: the machine is made cold from the pool's spec, and the
+# result says why.
+
+# In the runtime directory: each pool's last outcome, which doctor reads.
+POOLS_FILE = "pools.json"
+POOL_NOT_MADE = (
+    "not made yet: the server makes its warm pools at its first local tool "
+    "call"
+)
+POOL_BEING_MADE = (
+    "still being made: its source machine boots, then the engine fills the "
+    "pool"
+)
+POOL_LOST = (
+    "gone from the engine (deleted, or the serve started afresh); it is "
+    "being made again"
+)
+
+
+def pool_source(pool: str) -> str:
+    """The name of the source machine of the pool named ``pool``."""
+    return f"{SERVER_MACHINE_PREFIX}pool-{pool}"
+
+
+def pool_share(pool: WarmPool) -> int:
+    """How many of ``pool``'s workers one caller may hold at once: half
+    its ready count, at least one, so that one agent cannot drain it."""
+    return max(1, pool.ready // 2)
+
+
+class WarmPools:
+    """The operator's warm pools in this process: made in a thread of their
+    own at the first local tool call, each pool's standing (for
+    create-machine, smol://pools and doctor), and each caller's share."""
+
+    def __init__(self, app: SmolMcp):
+        self.config = app.config
+        self.local = app.local
+        self.specs = {pool.name: pool for pool in app.config.warm_pools}
+        # name -> (available, why not): what this process knows.
+        self._standing = dict.fromkeys(self.specs, (False, POOL_NOT_MADE))
+        # (pool, principal) -> leases asked for and not yet answered.
+        self._pending: dict[tuple[str, str], int] = {}
+        self._making: set[str] = set()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def spec(self, name: str) -> WarmPool:
+        """The pool named ``name``; raise ArgumentError naming the pools
+        there are (or saying there are none)."""
+        if name in self.specs:
+            return self.specs[name]
+        if not self.specs:
+            raise ArgumentError(
+                f'"pool" is {name!r}, but this server keeps no warm pools '
+                "(the operator sets them with warmPools in the config "
+                'file); create the machine from an "image" instead'
+            )
+        raise ArgumentError(
+            f'"pool" is {name!r}, which is not a warm pool of this server'
+            f"{did_you_mean(name, self.specs)}; the pools are: "
+            f"{', '.join(self.specs)} (smol://pools says which are ready)"
+        )
+
+    def make_once(self, fleet: Fleet) -> None:
+        """At this process's first local tool call, start making every
+        pool in a thread of its own: no call waits for it."""
+        if self._started or fleet is not self.local or not self.specs:
+            return
+        self._started = True
+        self._make_in_thread(list(self.specs))
+
+    def lost(self, name: str) -> None:
+        """The engine has no pool ``name`` any more: make it again."""
+        self._make_in_thread([name], POOL_LOST)
+
+    def _make_in_thread(self, names: list[str], why=POOL_BEING_MADE) -> None:
+        with self._lock:
+            names = [name for name in names if name not in self._making]
+            self._making.update(names)
+            for name in names:
+                self._standing[name] = (False, why)
+        if names:
+            threading.Thread(
+                target=self._make_all,
+                args=(names,),
+                name="smol-mcp warm pools",
+                daemon=True,
+            ).start()
+
+    def _make_all(self, names: list[str]) -> None:
+        """Make (or adopt) each pool named; each outcome is noted, and a
+        failure logged once."""
+        try:
+            pools = self.local.list_pools()
+            on_engine = {pool.get("name"): pool for pool in pools}
+        except SmolError as err:
+            for name in names:
+                self._noted(name, err)
+            return
+        for name in names:
+            try:
+                adopted = self._make(self.specs[name], on_engine.get(name))
+            # A bug here must not reach any tool: it is logged.
+            except Exception as err:
+                self._noted(name, err)
+            else:
+                self._noted(name, None, adopted)
+
+    def _noted(
+        self, name: str, err: Exception | None, adopted: bool = False
+    ) -> None:
+        """Note the outcome of making ``name`` here and in POOLS_FILE."""
+        if err is None:
+            standing = (True, None)
+            how = "adopted from the engine" if adopted else "made"
+            log.info("warm pool %s: %s", name, how)
+        else:
+            standing = (False, f"could not be made: {describe(err)}")
+            log.warning("warm pool %s %s", name, standing[1])
+        with self._lock:
+            self._standing[name] = standing
+            self._making.discard(name)
+        path = Path(self.config.runtime_dir) / POOLS_FILE
+        try:
+            with bookkeeping(self.config.runtime_dir):
+                ensure_runtime_dir(self.config.runtime_dir)
+                recorded = read_pools_file(path)
+                recorded[name] = {
+                    "available": standing[0],
+                    "reason": standing[1],
+                    "at": utc_now(),
+                }
+                write_json(path, recorded)
+        except SmolError as err:
+            # Only doctor reads it: the pool is no worse for it.
+            log.warning(
+                "could not note warm pool %s for doctor: %s", name, err
+            )
+
+    def _make(self, pool: WarmPool, existing: dict | None) -> bool:
+        """Make ``pool`` on the engine, or adopt the engine's ``existing``
+        one; True when adopted. Raise SmolError when it cannot be made
+        (a source made for it is deleted)."""
+        source = pool_source(pool.name)
+        if existing is not None:
+            if existing.get("source") == source:
+                return True
+            raise SmolError(
+                f"the engine already has a fork pool named '{pool.name}', "
+                f"made from '{existing.get('source')}' rather than {source}, "
+                "so it was not adopted; rename the pool in warmPools, or "
+                "delete that pool on the engine"
+            )
+        made = self._run_source(pool, source)
+        try:
+            self.local.create_pool(pool.name, source, pool.ready)
+        except BaseException:
+            if made:
+                self._delete_source(source)
+            raise
+        return False
+
+    def _run_source(self, pool: WarmPool, source: str) -> bool:
+        """Have ``source`` run as a branch source, created from the pool's
+        spec if it is not there; True when it was created here."""
+        try:
+            state = self.local.machine_state(source)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            state = None
+        made = state is None
+        if made:
+            self.local.create_machine(self._source_spec(pool, source))
+        if state in ("running", "frozen"):
+            return False
+        try:
+            self.local.start_machine(source, branchable=True)
+            self._wait_ready(source)
+        except BaseException:
+            if made:
+                self._delete_source(source)
+            raise
+        return made
+
+    def _source_spec(self, pool: WarmPool, source: str) -> MachineSpec:
+        """The source's MachineSpec: the pool's spec, the defaults where it
+        says nothing, its image held to mountRoots."""
+        config = self.config
+        image, _ = contain_host_paths(config, pool.image, [])
+        hosts = [
+            egress_host(host, f"allowHosts[{index}]", True, config)
+            for index, host in enumerate(pool.allow_hosts)
+        ]
+        network = pool.network or config.network_default
+        if hosts or pool.allow_cidrs:
+            network = "blocked"
+        return MachineSpec(
+            source,
+            image,
+            pool.cpus or config.cpus,
+            pool.memory_mb or config.memory_mb,
+            network,
+            hosts,
+            list(pool.allow_cidrs),
+            branchable=True,
+        )
+
+    def _wait_ready(self, name: str) -> None:
+        """Return once a command runs in ``name``; raise SmolError after
+        readyTimeoutSecs."""
+        limit = self.config.ready_timeout_secs
+        deadline = time.monotonic() + limit
+        while (answer := self.local.probe_ready(name)) is not None:
+            if time.monotonic() > deadline:
+                raise SmolError(
+                    f"the guest of {name} did not run a command within "
+                    f"{limit} s (readyTimeoutSecs); its last answer: {answer}"
+                )
+            time.sleep(0.2)
+
+    def _delete_source(self, source: str) -> None:
+        try:
+            self.local.delete_machine(source)
+        except SmolError as err:
+            log.warning("could not delete %s: %s", source, err)
+
+    def unavailable(self, name: str) -> str | None:
+        """Why the pool ``name`` cannot be leased from now, or None."""
+        with self._lock:
+            available, why = self._standing[name]
+        if available:
+            return None
+        return f"the pool '{name}' is not available: {why}"
+
+    def reserve(self, pool: WarmPool, principal: Principal) -> str | None:
+        """Count a lease ``principal`` is about to ask ``pool`` for, or
+        say why not: it holds its share already."""
+        key = (pool.name, principal.name)
+        with self._lock:
+            held = self.local.leases.held_by(*key)
+            held += self._pending.get(key, 0)
+            if held < pool_share(pool):
+                self._pending[key] = self._pending.get(key, 0) + 1
+                return None
+        who = "this stdio server"
+        if principal.kind == "token":
+            who = f"the token '{principal.name}'"
+        return (
+            f"{who} holds {held} machine(s) of the pool '{pool.name}' "
+            f"already, its share at once (half the pool's {pool.ready}, at "
+            "least one, so that no one agent drains it)"
+        )
+
+    def unreserve(self, pool: WarmPool, principal: Principal) -> None:
+        """The lease counted by reserve was answered (a granted one is
+        counted among the held leases from then on)."""
+        key = (pool.name, principal.name)
+        with self._lock:
+            left = self._pending.get(key, 1) - 1
+            if left:
+                self._pending[key] = left
+            else:
+                self._pending.pop(key, None)
+
+    def document(self) -> dict:
+        """smol://pools: each pool, its spec, and whether it can be leased
+        from now (the engine's counts when its serve answers)."""
+        engine = self.local.pools_now()
+        with self._lock:
+            standing = dict(self._standing)
+        return {
+            "pools": [
+                pool_entry(pool, engine, standing[name])
+                for name, pool in self.specs.items()
+            ]
+        }
+
+    def doctor_lines(self) -> list[str]:
+        """doctor's lines on the pools: what the engine has, else what the
+        serving processes last noted (POOLS_FILE); nothing is made."""
+        if not self.specs:
+            return []
+        engine = self.local.pools_now()
+        noted = read_pools_file(Path(self.config.runtime_dir) / POOLS_FILE)
+        lines = []
+        for name, pool in self.specs.items():
+            was = noted.get(name) or {}
+            standing = (bool(was.get("available")), was.get("reason"))
+            if not was:
+                standing = (False, POOL_NOT_MADE)
+            entry = pool_entry(pool, engine, standing)
+            if entry["available"]:
+                counts = entry["engine"]
+                how = (
+                    f"{counts['ready']} ready, {counts['provisioning']} "
+                    f"booting, {counts['active']} leased"
+                )
+            else:
+                how = f"not available: {entry['reason']}"
+            lines.append(f"warm pool {name} ({pool.image}): {how}")
+        return lines
+
+
+def read_pools_file(path: Path) -> dict:
+    """POOLS_FILE's pools by name; {} when it is missing or unreadable."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: v for k, v in recorded.items() if isinstance(v, dict)}
+
+
+def pool_entry(
+    pool: WarmPool, engine: list[dict] | None, standing: tuple
+) -> dict:
+    """One pool as smol://pools shows it: its spec, whether it can be
+    leased from, why not, and the engine's counts (None when its serve
+    does not answer, or has no such pool)."""
+    available, why = standing
+    source = pool_source(pool.name)
+    counts = None
+    if engine is None:
+        if available:
+            available = False
+            why = "on a serve that does not answer now"
+    else:
+        found = [p for p in engine if p.get("name") == pool.name]
+        if found and found[0].get("source") == source:
+            keys = ("ready", "provisioning", "active")
+            counts = {key: found[0].get(key) for key in keys}
+            available = True
+            why = None
+        elif available:
+            available = False
+            why = (
+                "not on the engine any more (deleted, or the serve started "
+                "afresh)"
+            )
+    return {
+        "name": pool.name,
+        "source": source,
+        "image": pool.image,
+        "cpus": pool.cpus,
+        "memoryMb": pool.memory_mb,
+        "network": pool.network,
+        "allowHosts": list(pool.allow_hosts),
+        "allowCidrs": list(pool.allow_cidrs),
+        "desiredReady": pool.ready,
+        "sharePerCaller": pool_share(pool),
+        "available": available,
+        "reason": why,
+        "engine": counts,
+    }
+
+
+def pool_argument(call: Call, args: dict) -> WarmPool:
+    """The pool create-machine's ``pool`` names; raise ArgumentError on a
+    fleet without pools, beside an argument the pool fixed, for an env
+    value the engine could not keep, or for a pool there is not."""
+    if call.fleet.pool_refusal:
+        raise ArgumentError(call.fleet.pool_refusal)
+    fixed = [key for key in args if key not in ("pool", "env")]
+    if fixed:
+        named = ", ".join(f'"{key}"' for key in fixed)
+        raise ArgumentError(
+            f'{named} cannot be given with "pool": the pool '
+            f"'{args['pool']}' fixed the machine's image, size and egress "
+            "when the operator made it, and the engine names a pooled "
+            "machine (its name is in the result). Pass only pool and env, "
+            "or leave pool out to create from an image"
+        )
+    for key, value in args.get("env", {}).items():
+        if re.search(r"[\0\n\r]", value):
+            raise ArgumentError(
+                f'"env.{key}" holds a newline or NUL, which a pooled '
+                "machine's environment cannot keep (the engine keeps it a "
+                "line a variable); pass the value without one"
+            )
+    return call.app.pools.spec(args["pool"])
+
+
+async def create_from_pool(call: Call, args: dict) -> dict:
+    """create-machine {pool, env?}: a booted worker leased from the pool,
+    or, when none can be had, a machine made cold from the pool's spec,
+    with the reason in ``why``."""
+    pool = pool_argument(call, args)
+    pools = call.app.pools
+    env = args.get("env", {})
+    why = pools.unavailable(pool.name) or pools.reserve(pool, call.principal)
+    if why is None:
+        try:
+            return await lease_from_pool(call, pool, env)
+        except PoolEmpty as empty:
+            why = str(empty)
+        finally:
+            pools.unreserve(pool, call.principal)
+    return await create_cold_from_pool(call, pool, env, why)
+
+
+async def lease_from_pool(call: Call, pool: WarmPool, env: dict) -> dict:
+    """Lease a clean worker of ``pool`` for this call's caller and session,
+    held as its ephemeral machine; raise PoolEmpty when the engine has
+    none to give."""
+    local = call.app.local
+    # A fresh key a call; only its own retry (LocalFleet.lease) reuses it.
+    key = secrets_module.token_hex(16)
+    waiting = f"leasing a machine from the pool '{pool.name}'"
+    try:
+        answer, seconds = await call.create(
+            local.lease, pool.name, key, env, waiting=waiting
+        )
+    except ApiError as err:
+        raise pool_empty(call, pool.name, err) or err from None
+    lease = held_lease(call, pool, answer)
+    name = lease.machine
+    try:
+        record = await record_pooled(call, name)
+        identity = machine_identity(record)
+        call.session.identities[(local.name, name)] = identity
+        if answer.get("state") != "active":
+            # Not handed over booted: wait as for any other machine.
+            await wait_until_ready(call, name)
+    except BaseException:
+        await complete_quietly(call, name)
+        raise
+    if call.session.ended:
+        # As in create_recorded: its cleanup came too early to see it.
+        await complete_quietly(call, name)
+        raise SmolError(
+            f"the session ended while '{name}' was being leased, so its "
+            "lease was completed at once; open a new session and ask again"
+        )
+    return {
+        "machine": record,
+        "ephemeral": True,
+        "ready": True,
+        "warm": True,
+        "pool": pool.name,
+        "readyMs": round(seconds * 1000),
+    }
+
+
+async def complete_quietly(call: Call, name: str) -> None:
+    """Complete the lease of a pooled machine this call leased, even while
+    the call is cancelled, and forget it; as Call.delete_quietly, but on
+    the fleet itself (a sandbox's view may not own it yet)."""
+    complete = functools.partial(call.app.local.delete_machine, name)
+    with anyio.CancelScope(shield=True):
+        try:
+            with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
+                await anyio.to_thread.run_sync(
+                    complete, abandon_on_cancel=True
+                )
+        except Exception as err:
+            log.warning("could not complete the lease of %s: %s", name, err)
+            return
+    try:
+        call.forget(name)
+    except SmolError as err:
+        log.warning("the lease of %s is completed; %s", name, err)
+
+
+def pool_empty(call: Call, pool: str, err: ApiError) -> PoolEmpty | None:
+    """PoolEmpty for the engine's answer that ``pool`` has no worker to
+    give (none clean, at its lease limit, or gone), else None."""
+    if err.status == 503:
+        why = (
+            f"the pool '{pool}' had no clean worker ready (its workers are "
+            "leased, or still booting)"
+        )
+    elif err.status == 409 and "lease limit" in err.api_message:
+        why = f"the pool '{pool}' is at its limit of active leases"
+    elif err.status == 404 and "fork pool" in err.api_message:
+        call.app.pools.lost(pool)
+        why = f"the pool '{pool}' is not available: {POOL_LOST}"
+    else:
+        return None
+    return PoolEmpty(why)
+
+
+def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
+    """Hold the lease the engine answered for this call's caller and
+    session (its heartbeats start); raise SmolError when the answer is not
+    a lease."""
+    lease_id = answer.get("id") if isinstance(answer, dict) else None
+    name = answer.get("machine") if isinstance(answer, dict) else None
+    if not isinstance(lease_id, str) or not NAME_RE.fullmatch(str(name)):
+        raise SmolError(
+            f"the engine answered a lease from the pool '{pool.name}' in a "
+            f"form this server cannot read ({str(answer)[:200]}); it ends "
+            "at its TTL"
+        )
+    ttl = LEASE_TTL_DEFAULT_SECS
+    created = answer.get("createdAt")
+    expires = answer.get("expiresAt")
+    if isinstance(created, int) and isinstance(expires, int):
+        ttl = max(1, expires - created)
+    lease = Lease(
+        pool.name,
+        lease_id,
+        name,
+        call.principal.name,
+        call.session,
+        lease_beat_secs(ttl),
+    )
+    call.app.local.leases.add(lease)
+    return lease
+
+
+async def record_pooled(call: Call, name: str) -> dict:
+    """The leased machine's record, asked of the engine while its session
+    record (naming the lease, for the crash sweep) and its owner are
+    written in a worker thread; raise what either raised."""
+    local = call.app.local
+    failed = []
+
+    def write() -> None:
+        try:
+            call.session.remember(local.name, name)
+            call.app.access.owners.claim(local.name, name, call.principal.name)
+        except Exception as err:
+            # Carried out of the group, which would wrap it in a group.
+            failed.append(err)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(anyio.to_thread.run_sync, write))
+        # On the event loop where it can be (a quick read), else a thread.
+        record = await local.read_now(local.get_machine, name)
+        if record is None:
+            record = await call.api(local.get_machine, name)
+    if failed:
+        raise failed[0]
+    return record
+
+
+async def create_cold_from_pool(
+    call: Call, pool: WarmPool, env: dict, why: str
+) -> dict:
+    """A machine made cold from ``pool``'s spec, as create-machine makes
+    any: the result says it is not warm, and ``why``."""
+    args = {"image": pool.image}
+    if pool.cpus:
+        args["cpus"] = pool.cpus
+    if pool.memory_mb:
+        args["memoryMb"] = pool.memory_mb
+    if pool.network:
+        args["network"] = pool.network
+    if pool.allow_hosts:
+        args["allowHosts"] = list(pool.allow_hosts)
+    if pool.allow_cidrs:
+        args["allowCidrs"] = list(pool.allow_cidrs)
+    if env:
+        args["env"] = env
+    await call.progress(None, f"{why}: creating one cold from its spec")
+    started = time.monotonic()
+    try:
+        created = await tool_create_machine(call, args)
+    except SmolError as err:
+        raise SmolError(
+            f"{why}, and a machine made cold from the pool's spec failed "
+            f"too: {err}"
+        ) from None
+    cold = (
+        f"{why}, so this machine was made cold from the pool's spec "
+        f"({pool.image}); it is ephemeral like a pooled one"
+    )
+    return {
+        **created,
+        "warm": False,
+        "pool": pool.name,
+        "readyMs": round((time.monotonic() - started) * 1000),
+        "why": cold,
+    }
 
 
 @tool(
@@ -7389,6 +8551,11 @@ def state_gone(call: Call, state: str) -> SmolError:
     _input("name image", name=ARG_NAME, image=ARG_IMAGE),
     _out("image:object"),
     "manage: idempotent open_world",
+    fleets=("local",),
+    refusal=(
+        "create-machine pulls a machine's image itself there, so pass the "
+        "image to create-machine instead"
+    ),
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
     pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
@@ -8020,15 +9187,14 @@ def egress_question(
     ),
     # Removals narrow it; a repeated removal is refused.
     "manage: destructive",
+    fleets=("local",),
+    refusal=(
+        "its engine has no route to amend a machine's egress; create a new "
+        'machine with allowHosts/allowCidrs (or network: "open") instead'
+    ),
 )
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
-    if not call.fleet.amends_egress:
-        raise ArgumentError(
-            "allow-egress is local only: the smol cloud API has no route to "
-            "amend a machine's egress. Create a new cloud machine with "
-            'allowHosts/allowCidrs (or network: "open") instead'
-        )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
     await refuse_resolving_to_host_ranges(added_names(args, body), call.config)
@@ -8151,6 +9317,7 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
+POOLS_URI = "smol://pools"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
 # How many logs one session may follow at once, and one token in all.
 SUBSCRIPTIONS_PER_SESSION = 16
@@ -8535,9 +9702,12 @@ class Session:
                 "started": process_start_time(pid),
                 "endpoint": self.app.local.endpoint,
                 "machines": names,
+                # A pooled machine's lease: completed, not deleted.
+                "leases": self.app.local.leases.records(names),
             }
-            # The umask decides who may read it.
-            write_json(self.record_path, record, mode=0o666)
+            # The umask decides who may read it. No fsync: a record, like
+            # the machines it names, is not needed after a power cut.
+            write_json(self.record_path, record, mode=0o666, durable=False)
 
     async def close(self) -> None:
         """Delete this session's ephemeral machines, fleet by fleet, then
@@ -8735,17 +9905,22 @@ def describe(err: BaseException) -> str:
 
 
 def write_json(
-    path: Path, value: Any, mode: int = 0o600, indent: int | None = None
+    path: Path,
+    value: Any,
+    mode: int = 0o600,
+    indent: int | None = None,
+    durable: bool = True,
 ) -> None:
     """Write a JSON file whole or not at all: a crash mid-write leaves the
-    old one.
+    old one; ``durable``, a power cut too (fsync).
     """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with os.fdopen(os.open(temporary, flags, mode), "w") as out:
         json.dump(value, out, indent=indent)
         out.flush()
-        os.fsync(out.fileno())
+        if durable:
+            os.fsync(out.fileno())
     os.replace(temporary, path)
 
 
@@ -8831,6 +10006,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
         alive = process_alive(int(record.get("pid", 0)), record.get("started"))
         if alive or record.get("endpoint") != fleet.endpoint:
             continue
+        # Its pooled machines' leases: deleting them completes them.
+        fleet.leases.adopt(record.get("leases"))
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
         for name, err in refused:
@@ -8874,6 +10051,9 @@ SCOPES = (
     *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
     "activity.read",
 )
+# Every level of one domain, the presets' and grants' building block.
+MACHINES_SCOPES = tuple(f"machines.{level}" for level in SCOPE_LEVELS)
+SANDBOX_SCOPES = tuple(f"sandbox.{level}" for level in SCOPE_LEVELS)
 # Each tool's scope level, from its ToolSpec.access; a tool without one
 # is granted to nobody.
 TOOL_LEVELS = {
@@ -8883,7 +10063,7 @@ APPROVAL_MODES = ("none", "changes")
 # `tokens create --preset`: the usual grants, by what the agent is for.
 SCOPE_PRESETS = {
     # Its own machines only.
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",
+    "sandbox": ",".join(SANDBOX_SCOPES),
     "read": "machines.read,activity.read",
     "full": ",".join(SCOPES),
 }
@@ -8923,7 +10103,8 @@ class Principal:
 
     name: str
     scopes: frozenset
-    targets: tuple[str, ...] = FLEET_NAMES
+    # The fleets it may use: every registered one unless narrowed.
+    targets: tuple[str, ...] = field(default_factory=lambda: tuple(FLEETS))
     # "changes": every changing call waits for a person.
     approval: str = "none"
     # "token" or "stdio".
@@ -9156,15 +10337,17 @@ def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
 
 
 def parse_targets(text: str | None) -> tuple[str, ...]:
+    """Return the fleets a token's ``--targets`` names (every fleet when
+    None): "both", or fleet names joined by commas; raise ConfigError
+    saying what it takes."""
     if text is None:
-        return FLEET_NAMES
-    targets = tuple(
-        dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
-    )
-    if not targets or any(target not in FLEET_NAMES for target in targets):
-        either = f"{', '.join(FLEETS)} or {','.join(FLEETS)}"
-        raise ConfigError(f"--targets takes {either}; got {text!r}")
-    return targets
+        return tuple(FLEETS)
+    try:
+        return named_fleets(text)
+    except ValueError as err:
+        raise ConfigError(
+            f"--targets takes {fleets_accepted()}; {err}"
+        ) from None
 
 
 def valid_tokens(data: Any) -> bool:
@@ -9783,7 +10966,7 @@ class Access:
         return token_principal(
             record["name"],
             tuple(record.get("scopes", [])),
-            tuple(record.get("targets") or FLEET_NAMES),
+            tuple(record.get("targets") or FLEETS),
             record.get("approval", "none"),
             record.get("id", ""),
         )
@@ -10249,31 +11432,47 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
-# How each fleet is named: "local (...)".
-SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]
-FLEET_QUESTION = (
-    "This smol-mcp server reaches these fleets of machines: "
-    + " and ".join(SERVED_AS)
-)
-FLEET_QUESTION += (
-    ". Which one is this session for?"
-    " Choose both to name the fleet on every call."
-)
-FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
-FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
-FLEET_QUESTION_SCHEMA = dict(
-    type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE}
-)
-ARG_TARGET = {
-    "type": "string",
-    "enum": list(FLEETS),
-    "description": (
-        f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one"
-        " fleet is invisible on the other, so there is no default."
-    ),
-}
-# The fleets as messages name them.
-TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)
+
+
+def fleet_question(fleets: dict[str, Fleet]) -> tuple[str, dict]:
+    """Return the question that asks a session which of ``fleets`` it is
+    for, and its form: each fleet by name, or both (decide per call)."""
+    served = spoken(fleet.served_as for fleet in fleets.values())
+    message = (
+        f"This smol-mcp server reaches these fleets of machines: {served}."
+        " Which one is this session for?"
+        " Choose both to name the fleet on every call."
+    )
+    choice = {
+        "type": "string",
+        "title": "Fleet",
+        "enum": [*fleets, "both"],
+        "description": ", ".join(fleets) + ", or both (decide per call)",
+    }
+    schema = {
+        "type": "object",
+        "required": ["fleet"],
+        "properties": {"fleet": choice},
+    }
+    return message, schema
+
+
+def target_argument(fleets: dict[str, Fleet]) -> dict:
+    """Return the ``target`` argument that names one of ``fleets``."""
+    served = spoken((fleet.served_as for fleet in fleets.values()), "or")
+    return {
+        "type": "string",
+        "enum": list(fleets),
+        "description": (
+            f"Which fleet: {served}. Required: a machine on one fleet is"
+            " invisible on another, so there is no default."
+        ),
+    }
+
+
+def target_names(fleets: dict[str, Fleet]) -> str:
+    """Return the fleets as messages name them: '"local" or "cloud"'."""
+    return spoken((f'"{name}"' for name in fleets), "or")
 
 
 @functools.cache
@@ -10335,20 +11534,43 @@ def elicit_result(answer: Any):
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets served, decided at startup: auto is every fleet the
-    configuration allows ("both" when that is all), else SMOL_MCP_TARGETS,
-    refused when a fleet it names lacks something.
+    """Return the mode, decided at startup: the one fleet served, "both"
+    when it is every fleet, else the served fleets joined by commas.
+
+    auto serves every fleet the configuration allows; any other targets
+    value serves the fleets it names, refused when one lacks something.
     """
     lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
-        usable = [name for name, why in lacking.items() if why is None]
-        return "both" if len(usable) == len(FLEETS) else usable[0]
-    for name in FLEETS if config.targets == "both" else [config.targets]:
+        served = [name for name, why in lacking.items() if why is None]
+        if not served:
+            needs = "; ".join(
+                f"{name} needs {lacking[name]}" for name in FLEETS
+            )
+            raise ConfigError(f"SMOL_MCP_TARGETS=auto finds no fleet: {needs}")
+        return mode_of(served)
+    try:
+        served = named_fleets(config.targets)
+    except ValueError as err:
+        accepted = fleets_accepted("auto")
+        raise ConfigError(
+            f"SMOL_MCP_TARGETS must be {accepted}; {err}"
+        ) from None
+    for name in served:
         if lacking[name]:
             raise ConfigError(
                 f"SMOL_MCP_TARGETS={config.targets} needs {lacking[name]}"
             )
-    return config.targets
+    return mode_of(served)
+
+
+def mode_of(served: Iterable[str]) -> str:
+    """Return the mode that serves these fleets: a fleet's name, "both"
+    (every fleet), or the fleets joined by commas."""
+    served = tuple(served)
+    if len(served) > 1 and set(served) == set(FLEETS):
+        return "both"
+    return ",".join(served)
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
@@ -10368,7 +11590,7 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 def server_instructions(app: SmolMcp) -> str:
     """Return what the server tells the agent at initialize."""
     config = app.config
-    served = " and ".join(fleet.served_as for fleet in app.fleets.values())
+    served = spoken(fleet.served_as for fleet in app.fleets.values())
     lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of"
         " this computer: every command you run with these tools executes"
@@ -10399,11 +11621,13 @@ def server_instructions(app: SmolMcp) -> str:
         " command to the next in that shell. expose-port gives the URL a"
         " person opens for a port the machine serves on 0.0.0.0.",
     ]
-    if app.mode == "both":
+    if app.takes_target:
+        named = target_names(app.fleets)
         lines.append(
-            f"- Every tool needs target: {TARGET_NAMES}; there is no default."
+            f"- Every tool needs target: {named}; there is no default."
         )
     lines.extend(fleet.instruction for fleet in app.fleets.values())
+    lines.extend(unserved_tools_lines(app.fleets))
     lines.append(
         "- smol://targets says whether each fleet is usable right now,"
         " and why not."
@@ -10424,6 +11648,20 @@ def server_instructions(app: SmolMcp) -> str:
             " person before trying again."
         )
     return "\n".join(lines)
+
+
+def unserved_tools_lines(fleets: dict[str, Fleet]) -> list[str]:
+    """Return the instructions' lines on the tools some of ``fleets`` do
+    not serve, each naming the fleets that do (from each ToolSpec)."""
+    only: dict[tuple[str, ...], list[str]] = {}
+    for tool in TOOLS:
+        if not all(tool.serves(name) for name in fleets):
+            only.setdefault(tool.fleets, []).append(tool.name)
+    lines = []
+    for serving, names in only.items():
+        verb = "is" if len(names) == 1 else "are"
+        lines.append(f"- {spoken(names)} {verb} {spoken(serving)} only.")
+    return lines
 
 
 @functools.cache
@@ -10473,6 +11711,12 @@ class SmolMcp:
         # Always built (inert), for smol://targets.
         self.local = LocalFleet(config, environ)
         self.fleets: dict[str, Fleet] = self.served_fleets(environ)
+        # The operator's warmPools: made at the first local tool call.
+        self.pools = WarmPools(self)
+        # More than one fleet: every tool takes a target, and a session
+        # is asked which fleet it is for.
+        self.takes_target = len(self.fleets) > 1
+        self.target_argument = target_argument(self.fleets)
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -10517,11 +11761,8 @@ class SmolMcp:
         """Return the fleets this mode serves, by name; the local one is
         self.local.
         """
-        names = (self.mode,)
-        if self.mode == "both":
-            names = FLEET_NAMES
         fleets = {}
-        for name in names:
+        for name in named_fleets(self.mode):
             if FLEETS[name] is LocalFleet:
                 fleets[name] = self.local
             else:
@@ -10554,9 +11795,9 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        # Only both mode has a session choose its fleet.
+        # Only a process of several fleets has a session choose one.
         with_target = (
-            self.mode == "both" and self.session_for(ctx).target is None
+            self.takes_target and self.session_for(ctx).target is None
         )
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
@@ -10583,14 +11824,15 @@ class SmolMcp:
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        """Return the tool as a client is shown it; with_target (both
-        mode) adds a required target.
+        """Return the tool as a client is shown it; with_target (several
+        fleets) adds a required target.
         """
         types = sdk_types()
         schema = configured_schema(tool, self.config)
         if with_target:
             required = ["target", *schema["required"]]
-            properties = {"target": ARG_TARGET, **schema["properties"]}
+            target = self.target_argument
+            properties = {"target": target, **schema["properties"]}
             schema = {**schema, "properties": properties, "required": required}
         annotations = types.ToolAnnotations(
             title=tool.title,
@@ -10630,7 +11872,7 @@ class SmolMcp:
         """Return the fleet a call goes to, taking `target` out of the
         arguments; raise ArgumentError when it names none it may use.
         """
-        if self.mode != "both":
+        if not self.takes_target:
             return next(iter(self.fleets.values()))
         # The call whose question made the choice may still name a fleet.
         asked_here = params is not None and params is session.chose_during
@@ -10642,31 +11884,32 @@ class SmolMcp:
                     f"this session chose the {session.target} fleet at its"
                     f' first call, so target "{given}" is not available in'
                     " it; use a new session (over HTTP with the 2026-07-28"
-                    " protocol, the session is the token) for the other"
+                    " protocol, the session is the token) for another"
                     " fleet"
                 )
             return self.fleets[session.target]
         if "target" not in arguments:
+            served = spoken(self.fleets)
             raise ArgumentError(
-                f'{name} needs "target": {TARGET_NAMES}. This server serves'
-                " both fleets and there is no default, because a machine on"
-                " one fleet is invisible on the other and the two bill"
-                " differently."
+                f'{name} needs "target": {target_names(self.fleets)}. This'
+                f" server serves the {served} fleets and there is no default,"
+                " because a machine on one fleet is invisible on another and"
+                " fleets bill differently."
             )
         target = arguments.pop("target")
         validate_arguments(
-            name, _object({"target": ARG_TARGET}), {"target": target}
+            name, _object({"target": self.target_argument}), {"target": target}
         )
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask a session once which fleet it is for, if the
-        client can answer.
+        """With several fleets, ask a session once which fleet it is for,
+        if the client can answer.
 
         A choice narrows the session (`target` leaves every tool). In
         the 2026 era the question is raised as AskClient.
         """
-        if self.mode != "both" or session.asked_fleet:
+        if not self.takes_target or session.asked_fleet:
             return None
         # Calls racing in at the start get one question.
         async with session.question_lock:
@@ -10676,13 +11919,9 @@ class SmolMcp:
             # argument.
             answer = None
             if can_elicit(ctx):
+                question, form = fleet_question(self.fleets)
                 answer = await self.ask(
-                    ctx,
-                    params,
-                    "fleet",
-                    "smol-mcp:fleet",
-                    FLEET_QUESTION,
-                    FLEET_QUESTION_SCHEMA,
+                    ctx, params, "fleet", "smol-mcp:fleet", question, form
                 )
             session.asked_fleet = True
             choice = None
@@ -10691,7 +11930,7 @@ class SmolMcp:
             if choice not in self.fleets or session.target is not None:
                 return
             session.target = choice
-            # The call that asked may still name the other fleet.
+            # The call that asked may still name another fleet.
             session.chose_during = params
             log.info("session %s chose the %s fleet", session.id, choice)
             # The session's subscriptions/listen stream hears of it.
@@ -10814,12 +12053,16 @@ class SmolMcp:
                 schema = tool.input_schema
                 entry["arguments"] = redact_arguments(arguments, schema)
             self.validate(tool, arguments)
+            self.refuse_reserved(fleet, arguments)
             grant = authorize(principal, name, fleet.name, machine)
+            # Before its approval: nobody is asked for what cannot run.
+            tool.refuse_on(fleet.name)
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
             if not tool.read_only:
                 await self.hold_for_approval(call, entry, params)
             await self.sweep_once(fleet)
+            self.pools.make_once(fleet)
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
             logged("cancelled")
@@ -10864,7 +12107,28 @@ class SmolMcp:
                 arguments,
                 self.checkers[tool.name],
             )
-        refuse_server_names(arguments)
+
+    def reserved_for(self, fleet: Fleet) -> Callable[[str], str | None]:
+        """The test of a machine name on ``fleet``: why no tool may take
+        it (reserved_machine), or None."""
+        pools = ()
+        if fleet.name == self.local.name:
+            pools = self.config.warm_pools
+        owners = self.access.owners
+
+        def owned(name: str) -> bool:
+            return owners.owner(fleet.name, name) is not None
+
+        return functools.partial(reserved_machine, pools=pools, owned=owned)
+
+    def refuse_reserved(self, fleet: Fleet, arguments: dict) -> None:
+        """Raise ArgumentError when a call names a machine no tool takes."""
+        reserved = self.reserved_for(fleet)
+        for key in ("name", "childName"):
+            value = arguments.get(key)
+            why = isinstance(value, str) and reserved(value)
+            if why:
+                raise ArgumentError(f'"{key}": {why}')
 
     async def hold_for_approval(self, call: Call, entry: dict, params: Any):
         """Wait for a person's approval if the principal needs one; the
@@ -10991,6 +12255,14 @@ class Resources:
             shown.append(
                 (ACTIVITY_URI, "activity", "What agents changed", about)
             )
+        if self.pools_readable(self.app.principal_for(ctx)) is None:
+            about = (
+                "The operator's warm pools (create-machine with pool):"
+                " each one's machine, whether it can be leased from now"
+                " and why not, and the engine's ready, provisioning and"
+                " active counts."
+            )
+            shown.append((POOLS_URI, "pools", "Warm pools", about))
         resources = [
             types.Resource(
                 uri=uri,
@@ -11029,11 +12301,18 @@ class Resources:
         elif uri == ACTIVITY_URI:
             text = json.dumps(self.activity_document(principal), indent=1)
             mime = JSON_TYPE
+        elif uri == POOLS_URI:
+            if why := self.pools_readable(principal):
+                raise_resource_error(why)
+            # It asks the serve, if one answers: a thread waits for it.
+            document = await anyio.to_thread.run_sync(self.app.pools.document)
+            text = json.dumps(document, indent=1)
+            mime = JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
             text = await self.read_log(ctx, uri, principal)
             mime = "text/plain"
         else:
-            known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
+            known = f"{TARGETS_URI}, {POOLS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(
                 f"unknown resource {uri}; the resources are {known}"
             )
@@ -11054,6 +12333,23 @@ class Resources:
         except SmolError as err:
             raise_resource_error(redact(str(err), config.secret_values()))
         return "\n".join(lines[-config.logs_tail :])
+
+    def pools_readable(self, principal: Principal) -> str | None:
+        """Why ``principal`` may not read smol://pools, or None: it needs
+        warm pools to be configured, the local fleet served and among its
+        targets, and a scope that reads machines."""
+        local = self.app.local.name
+        if not self.app.config.warm_pools or local not in self.app.fleets:
+            return (
+                f"{POOLS_URI}: this server keeps no warm pools on a fleet it"
+                " serves (the operator sets them with warmPools in the"
+                " config file)"
+            )
+        try:
+            authorize(principal, "list-machines", local, None)
+        except ScopeMissing as err:
+            return f"{POOLS_URI}: {err}"
+        return None
 
     def activity_document(self, principal: Principal) -> dict:
         """Return smol://activity as ``principal`` may read it.
@@ -11647,6 +12943,10 @@ def note_result(entry: dict, result: dict) -> None:
         made = {}
     named = made.get("name") or result.get("name")
     entry["machine"] = named or entry.get("machine")
+    # A create from a warm pool: leased, or made cold (and why).
+    for key in ("warm", "why"):
+        if key in result:
+            entry[key] = result[key]
     if isinstance(result.get("exitCode"), int):
         entry["exitCode"] = result["exitCode"]
 
@@ -12721,8 +14021,7 @@ class PlainApi:
 
     async def list_tools(self, scope: dict, send: Callable) -> None:
         principal = scope["state"]["smol_principal"]
-        both = self.app.mode == "both"
-        tools = self.app.tool_list(both, principal)
+        tools = self.app.tool_list(self.app.takes_target, principal)
         listed = [
             tool.model_dump(mode="json", by_alias=True, exclude_none=True)
             for tool in tools
@@ -13600,8 +14899,7 @@ class TokenPages(ConsolePages):
         """The fields of the form that makes a token."""
         scopes = "".join(checkbox_html("scope", scope) for scope in SCOPES)
         fleets = "".join(
-            checkbox_html("target", fleet, checked=True)
-            for fleet in FLEET_NAMES
+            checkbox_html("target", fleet, checked=True) for fleet in FLEETS
         )
         approval = checkbox_html(
             "approval", "changes", "Require approval for changes"
@@ -13997,14 +15295,9 @@ OAUTH_CLIENT_FIELDS = {
 }
 # The consent page's grants, besides Choose scopes.
 GRANTS = {
-    "Full": (
-        "machines.read",
-        "machines.manage",
-        "machines.exec",
-        "activity.read",
-    ),
+    "Full": (*MACHINES_SCOPES, "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
-    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+    "Sandbox": SANDBOX_SCOPES,
 }
 GRANT_NOTES = {
     "Full": "every tool, on every machine",
@@ -15140,7 +16433,7 @@ class SignInPages:
             "clientId": client.client_id,
         }
         record, _ = self.provider.tokens.create(
-            chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
+            chosen["name"].strip(), scopes, tuple(FLEETS), approval, **owner
         )
         return record
 
@@ -15418,11 +16711,8 @@ def invocation() -> str:
 
 
 # The text after --help's options; each setting's variable comes from its
-# declaration. Each line of the output starts a line here.
-EPILOG_VALUES = {
-    "tokens_default": Config.reply_tokens,
-    "fleets": " | ".join(FLEETS),
-}
+# declaration, the fleets from FLEETS (help_epilog). Each line of the
+# output starts a line here.
 HELP_EPILOG = (
     "environment (each also a camelCase key in"
     " ~/.config/smol-mcp/config.json):\n"
@@ -15431,8 +16721,9 @@ HELP_EPILOG = (
     " smolmachines package)\n"
     "  {local_url:<28}use a running serve (unix:///abs.sock) instead of"
     " starting one\n"
-    "  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is"
-    " set)\n"
+    "  {targets:<28}auto | {fleets} | both, or a list such as {pair}\n"
+    "                              (auto: every fleet that is set up;"
+    " doctor says which)\n"
     "  {cloud_token:<28}the smol cloud account key (a secret: never copied"
     " anywhere)\n"
     "  {network_default:<28}blocked | open: egress of a machine when a call"
@@ -15459,7 +16750,17 @@ HELP_EPILOG = (
     " by URL (OAuth, a consent page)\n"
     "  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http"
     " --port 8080\n"
-).format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
+)
+
+
+def help_epilog() -> str:
+    """Return the text after --help's options, naming every fleet."""
+    values = {
+        "tokens_default": Config.reply_tokens,
+        "fleets": " | ".join(FLEETS),
+        "pair": ",".join(list(FLEETS)[:2]),
+    }
+    return HELP_EPILOG.format_map({s.attr: s.env for s in SETTINGS} | values)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -15470,7 +16771,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "An MCP server that gives an AI agent microVMs (smol machines)"
             " to work in. Serves MCP over stdio by default."
         ),
-        epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
+        epilog=help_epilog().replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_main_options(parser)
@@ -15597,10 +16898,7 @@ def add_token_create_parser(commands) -> None:
         f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()
     )
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
-    fleets = (
-        f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)}"
-        " (default both)"
-    )
+    fleets = f"the fleets it may use: {fleets_accepted()} (default both)"
     create.add_argument("--targets", help=fleets)
     changes = (
         "changes: changing calls wait for a person (recorded with the token)"
@@ -16211,14 +17509,16 @@ def one_liner(client: str, entry: dict) -> str | None:
     return shlex.join(command)
 
 
-def back_up(path: Path) -> Path:
-    """Copy ``path`` into the state directory; return the copy's path.
+def back_up(path: Path, state_dir: str) -> Path:
+    """Copy ``path`` into the state directory ``state_dir`` (stateDir);
+    return the copy's path.
 
     Not beside the file: beside a project file, a copy would be read or
     committed.
     """
-    backups = Path(default_state_dir(os.environ)) / "backups"
-    backups.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # The copy may hold a secret: the state directory's checks apply.
+    backups = ensure_state_dir(state_dir) / "backups"
+    backups.mkdir(mode=0o700, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
     backup = backups / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
     shutil.copy2(path, backup)
@@ -16429,7 +17729,7 @@ def setup(args: Any, config: Config) -> int:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
-    if write_entry(args, path, key, entry):
+    if write_entry(args, path, key, entry, config.state_dir):
         done = "replaced the smol entry in"
     else:
         done = "wrote the smol entry into"
@@ -16453,8 +17753,11 @@ def warn_of_secrets_by_hand() -> None:
         )
 
 
-def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
-    """Merge the entry into ``path``, backed up; return if it replaced one."""
+def write_entry(
+    args: Any, path: Path, key: str, entry: dict, state_dir: str
+) -> bool:
+    """Merge the entry into ``path``, backed up into ``state_dir``; return
+    if it replaced one."""
     try:
         text = path.read_text() if path.exists() else ""
     except OSError as err:
@@ -16463,7 +17766,7 @@ def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
     merged, replacing = merge(path, text, key, entry, args.client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        print(f"backed up {path} to {back_up(path)}")
+        print(f"backed up {path} to {back_up(path, state_dir)}")
     path.write_text(merged)
     return replacing
 

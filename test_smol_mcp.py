@@ -31,6 +31,7 @@ import ast
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import inspect
 import io
@@ -50,6 +51,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import typing
 import unittest
 import unittest.mock
@@ -57,6 +59,7 @@ import urllib.parse
 import warnings
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
+from typing import Unpack
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -259,7 +262,11 @@ class ConfigTests(unittest.TestCase):
         for key, (env, cell) in table.items():
             with self.subTest(key=key):
                 setting = settings[key]
-                self.assertEqual(env, setting.env)
+                # A setting of the config file alone says so instead.
+                if not setting.env:
+                    self.assertIn("config file only", env)
+                else:
+                    self.assertEqual(env, setting.env)
                 default = getattr(defaults, setting.attr)
                 if isinstance(default, int):
                     self.assertRegex(cell, rf"^{default}\b")
@@ -267,62 +274,23 @@ class ConfigTests(unittest.TestCase):
                     self.assertIn(f"`{default}`", cell)
 
     def test_every_setting_is_read_from_the_file_and_the_environment(self):
-        samples = {  # a valid value other than the default, for every key
-            "smolvm": "/opt/smolvm",
-            "minSmolvm": "1.2.3",
-            "localUrl": "unix:///x.sock",
-            "runtimeDir": "/tmp/x",
-            "machinePrefix": "tmp-",
-            "memoryMb": 4096,
-            "cpus": 4,
-            "networkDefault": "open",
-            "runOnceNetwork": "open",
-            "ephemeralTtlSecs": 7200,
-            "ephemeralAutoStopSecs": 600,
-            "execTimeoutSecs": 60,
-            "maxExecTimeoutSecs": 1200,
-            "maxOutputBytes": 4096,
-            "readyTimeoutSecs": 30,
-            "serveStartTimeoutSecs": 30,
-            "logsTail": 10,
-            "logsPollSecs": 5,
-            "cloudUrl": "https://example.test",
-            "cloudToken": "t",
-            "targets": "local",
-            "httpHost": "0.0.0.0",
-            "httpPort": 9000,
-            "httpPath": "/x",
-            "authToken": "a",
-            "httpSessionIdleSecs": 60,
-            "httpAllowedHosts": ["h"],
-            "httpAllowedOrigins": ["o"],
-            "trustedProxies": ["10.0.0.1"],
-            "stateDir": "/tmp/s",
-            "publicUrl": "https://mcp.example.com",
-            "scopes": ["machines.read", "sandbox.exec"],
-            "approval": "changes",
-            "approvalTimeoutSecs": 60,
-            "approvalWebhook": "https://hooks.example/smol",
-            "approvalVia": "client",
-            "mountRoots": ["/srv", "/work:rw"],
-            "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
-            "exposeHosts": ["192.0.2.10"],
-            "exposePorts": ["8000-8099", "9000"],
-            "replyTokens": 50000,
-        }
+        # What an example reads as, where that is not the value itself.
+        parsed = {"warmPools": (smol_mcp.WarmPool("py", "alpine", 2),)}
         defaults = Config()
         for setting in smol_mcp.SETTINGS:
-            self.assertTrue(
-                setting.key in samples,
-                f"add a valid value of {setting.key}, other than its "
-                "default, to samples in this test",
+            # Each declaration carries its example (setting_field).
+            self.assertIsNotNone(
+                setting.example,
+                f"give {setting.key} an example= in its declaration: a "
+                "valid value other than its default",
             )
-            value = samples[setting.key]
+            value = setting.example
             expected = tuple(value) if isinstance(value, list) else value
+            expected = parsed.get(setting.key, expected)
             self.assertNotEqual(
                 getattr(defaults, setting.attr),
                 expected,
-                f"the sample of {setting.key} is its default: "
+                f"the example of {setting.key} is its default: "
                 "it would pass unread",
             )
             self.write({setting.key: value})
@@ -332,6 +300,9 @@ class ConfigTests(unittest.TestCase):
                 setting.key,
             )
             self.file.unlink()
+            # A setting of the config file alone has no variable.
+            if not setting.env:
+                continue
             if isinstance(value, list):
                 as_text = ",".join(value)
             else:
@@ -404,7 +375,10 @@ class ConfigTests(unittest.TestCase):
                 '"httpPort" in the config file must be at most 65535',
             ),
             ({"networkDefault": "closed"}, "must be one of blocked, open"),
-            ({"targets": "mars"}, "must be one of auto, local, cloud, both"),
+            (
+                {"targets": "mars"},
+                f"must be one of auto, {', '.join(smol_mcp.FLEETS)}, both",
+            ),
             ({"minSmolvm": "latest"}, "must be a version such as 1.14.0"),
             ({"httpAllowedHosts": "a,b"}, "must be a list of strings"),
             ({"httpPath": "mcp"}, "httpPath must start with '/'"),
@@ -668,37 +642,51 @@ class FleetContractTests(unittest.TestCase):
     signatures."""
 
     def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
+        self.assertGreater(len(self.members()), 20)
+        # Each fleet is driven against its fake by an EngineRequestScenarios
+        # case of its own: a new fleet fails here until it has one.
+        cases = [
+            case.fleet for case in EngineRequestScenarios.__subclasses__()
+        ]
+        self.assertEqual(
+            sorted(smol_mcp.FLEETS),
+            sorted(cases),
+            "a fleet needs its fake in tests/fakes and an "
+            "EngineRequestScenarios case (its fleet and its fake's journal)",
+        )
+        for name, fleet in smol_mcp.FLEETS.items():
+            self.check_contract(name, fleet)
+
+    @staticmethod
+    def members() -> list[str]:
+        """The contract's methods, __init__ included."""
         contract = smol_mcp.Fleet
         members = [
             name
             for name in dir(contract)
             if not name.startswith("_") or name == "__init__"
         ]
-        members = [
+        return [
             name for name in members if name not in dir(typing.Protocol)
         ] + ["__init__"]
-        attributes = list(contract.__annotations__)
-        self.assertGreater(len(members), 20)
-        # Each fleet is driven against its fake by a case class of its own:
-        # a new fleet fails here until it has one.
-        cases = {"local": FakeServeCase, "cloud": FakeCloudCase}
-        self.assertEqual(
-            sorted(smol_mcp.FLEETS),
-            sorted(cases),
-            "a fleet needs its fake in tests/fakes and a case class here",
-        )
-        for name, fleet in smol_mcp.FLEETS.items():
-            self.assertEqual(fleet.name, name)
-            for attribute in attributes:
-                with self.subTest(fleet=name, attribute=attribute):
-                    self.assertTrue(
-                        attribute == "config" or hasattr(fleet, attribute)
-                    )
-            for member in members:
-                with self.subTest(fleet=name, member=member):
-                    wanted = inspect.signature(getattr(contract, member))
-                    offered = inspect.signature(getattr(fleet, member))
-                    self.assertEqual(self.shape(offered), self.shape(wanted))
+
+    def check_contract(self, name: str, fleet: type) -> None:
+        """``fleet`` (registered as ``name``) has every attribute of the
+        contract and every method with its signature (any TestCase may
+        call this)."""
+        contract = smol_mcp.Fleet
+        self.assertEqual(fleet.name, name)
+        for attribute in contract.__annotations__:
+            with self.subTest(fleet=name, attribute=attribute):
+                self.assertTrue(
+                    attribute == "config" or hasattr(fleet, attribute)
+                )
+        for member in FleetContractTests.members():
+            with self.subTest(fleet=name, member=member):
+                wanted = inspect.signature(getattr(contract, member))
+                offered = inspect.signature(getattr(fleet, member))
+                shape = FleetContractTests.shape
+                self.assertEqual(shape(offered), shape(wanted))
 
     @staticmethod
     def shape(signature: inspect.Signature) -> list[tuple]:
@@ -1343,9 +1331,9 @@ class ToolListTests(FakeServeCase):
 def engine_requests_table() -> dict[str, dict]:
     """The README tools table's engine requests of each tool, per fleet.
 
-    A cell reads `N` (every fleet) or `N (cloud M)`; what follows a `;` is
-    a note. A tool whose "What it does" says "(local only" has no cloud
-    count: the cloud fleet refuses it.
+    A cell reads `N` (every fleet) or `N (cloud M)`, a fleet after the
+    first named with its own count; what follows a `;` is a note. "only"
+    holds the fleets a "(local only" in "What it does" names.
     """
     readme = (HERE / "README.md").read_text()
     start = readme.index("| Tool | What it does |")
@@ -1354,13 +1342,15 @@ def engine_requests_table() -> dict[str, dict]:
     row_re = r"^\| `([a-z-]+)` \| (.*) \| ([^|]+) \|$"
     for tool, rest, cell in re.findall(row_re, readme[start:end], re.M):
         cell = cell.split(";")[0]
-        local = int(re.match(r"\d+", cell)[0])
-        cloud = re.search(r"cloud (\d+)", cell)
-        table[tool] = {
-            "local": local,
-            "cloud": int(cloud[1]) if cloud else local,
-            "local_only": "(local only" in rest.split(" | ")[0],
-        }
+        first = int(re.match(r"\d+", cell)[0])
+        table[tool] = {}
+        for fleet in smol_mcp.FLEETS:
+            own = re.search(rf"\b{fleet} (\d+)", cell)
+            table[tool][fleet] = int(own[1]) if own else first
+        only = re.search(r"\(([a-z, ]+) only", rest.split(" | ")[0])
+        table[tool]["only"] = tuple(
+            re.split(r", | and ", only[1]) if only else ()
+        )
     return table
 
 
@@ -1410,11 +1400,6 @@ class EngineRequestScenarios:
         ("run-once", {"image": "alpine", "command": "true"}),
     ]
 
-    def journal(self) -> list:
-        if self.fleet == "cloud":
-            return self.cloud.requests
-        return self.fake.requests
-
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
         table = engine_requests_table()
         tools = list(smol_mcp.TOOLS_BY_NAME)
@@ -1442,20 +1427,24 @@ class EngineRequestScenarios:
                 before = len(self.journal())
                 is_error, got = await self.call(c, tool, args)
                 counted[tool] = len(self.journal()) - before
-                if is_error and f"{tool} is local only" in got:
+                if is_error and f"so the {self.fleet} fleet refuses" in got:
                     refused.add(tool)
                     continue
                 self.assertFalse(is_error, f"{tool}: {got}")
                 job = got.get("jobId", job)
-        # a tool the cloud refuses says so in its README row, and the
-        # refusal asks the engine nothing
-        local_only = {t for t in tools if table[t]["local_only"]}
-        if self.fleet == "cloud":
-            self.assertEqual(refused, local_only)
-        else:
-            self.assertEqual(refused, set())
+        # a tool this fleet does not serve (its ToolSpec's fleets) is
+        # refused asking the engine nothing, and its README row says so
+        specs = smol_mcp.TOOLS_BY_NAME
+        unserved = {t for t in tools if not specs[t].serves(self.fleet)}
+        self.assertEqual(refused, unserved)
         for tool in refused:
             self.assertEqual(counted.pop(tool), 0, tool)
+        for tool in tools:
+            self.assertEqual(
+                table[tool]["only"],
+                specs[tool].fleets,
+                f'{tool}: the README row\'s "(... only" and its fleets',
+            )
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
 
     async def test_a_machine_from_a_state_makes_the_requests_its_row_says(
@@ -1494,6 +1483,9 @@ def engine_requests_row(tool: str) -> str:
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
+
+    def journal(self) -> list:
+        return self.fake.requests
 
     async def test_arguments_are_checked_by_one_validator_per_tool(self):
         async with self.client("legacy") as c:
@@ -2355,7 +2347,7 @@ class ToolRuleTests(FakeServeCase):
             )
 
     async def test_the_schema_states_the_configured_timeout_ceiling(self):
-        for targets in ("local", "both"):
+        for targets in ("local", "local,cloud"):
             config = dataclasses_replace(
                 self.config,
                 max_exec_timeout_secs=600,
@@ -2384,7 +2376,7 @@ class ToolRuleTests(FakeServeCase):
                                 for k, v in args.items()
                                 if k in tools[tool].input_schema["properties"]
                             }
-                            if targets == "both":
+                            if targets == "local,cloud":
                                 args["target"] = "local"
                             for asked in (100000, 601):
                                 text = await self.refused(
@@ -3679,14 +3671,31 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
     CAN_CHROOT,
     "the fake guest needs root or unshare to chroot into its busybox root",
 )
+def registry_of(case: unittest.TestCase, *fleets: type) -> None:
+    """Make FLEETS exactly ``fleets`` until ``case`` ends: its cleanup puts
+    the registry back as it was."""
+    before = dict(smol_mcp.FLEETS)
+    smol_mcp.FLEETS.clear()
+    for fleet in fleets:
+        smol_mcp.registered(fleet)
+
+    def restore() -> None:
+        smol_mcp.FLEETS.clear()
+        smol_mcp.FLEETS.update(before)
+
+    case.addCleanup(restore)
+
+
 class FakeCloudCase(FakeServeCase):
     """A FakeCloud (and the local fake beside it, for both mode), and a server
-    using it."""
+    using it. Its registry is the two fleets the fakes answer for, so both
+    means them whatever else registers."""
 
     cloud_options: dict = {}
     targets = "cloud"
 
     async def asyncSetUp(self):
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet)
         await super().asyncSetUp()
         self.cloud = FakeCloud(token=CLOUD_TOKEN, **self.cloud_options).start()
         self.config = fake_config(
@@ -3718,6 +3727,9 @@ class FakeCloudCase(FakeServeCase):
 
 class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
     fleet = "cloud"
+
+    def journal(self) -> list:
+        return self.cloud.requests
 
 
 class CloudWorkedExample(FakeCloudCase):
@@ -4319,15 +4331,13 @@ class BothModeTests(FakeCloudCase):
         )
 
     def test_the_fleet_names_come_from_the_registry(self):
-        # The targets setting is read before the fleets register, so it lists
-        # their names itself: they must be the registry's. Everything else that
-        # names a fleet derives from FLEETS.
+        # The targets setting keeps no list of fleets: it is read against
+        # FLEETS, as the question and the target argument are built from
+        # the served ones.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
-        self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
-        for text in (
-            smol_mcp.FLEET_QUESTION,
-            smol_mcp.ARG_TARGET["description"],
-        ):
+        self.assertEqual((setting.kind, setting.choices), ("fleets", ()))
+        question, _ = smol_mcp.fleet_question(self.app.fleets)
+        for text in (question, self.app.target_argument["description"]):
             for fleet in smol_mcp.FLEETS.values():
                 self.assertIn(fleet.served_as, text)
 
@@ -4476,6 +4486,391 @@ class ElicitationTests(FakeCloudCase):
                             )
                         )
                     self.assertEqual(len(asked), 1 if kwargs else 0)
+
+
+# The names the Fleet contract's **options carry, as its signatures spell
+# them (FleetContractTests.shape compares them).
+ExecOptions = smol_mcp.ExecOptions
+JobOptions = smol_mcp.JobOptions
+
+
+class ThirdFleet:
+    """A third fleet for the tests of any number of fleets: it keeps the
+    Fleet contract (its signatures are compared) and machine records in
+    a dict, runs nothing, and lacks a key unless ``usable``. A test
+    registers it and takes it out again (ThirdFleetTests.register)."""
+
+    name = "third"
+    served_as = "third (a test's fleet, machines kept in memory)"
+    instruction = "- Third: a test's fleet; nothing runs in its machines."
+    amends_egress = False
+    mounts_host_paths = False
+    branch_needs_start = False
+    usable = False
+    RUNS_NOTHING = "the third fleet is a test's: nothing runs in it"
+    pool_refusal = "the third fleet is a test's: it keeps no warm pools"
+
+    def __init__(
+        self, config: Config, environ: dict[str, str] | None = None
+    ) -> None:
+        self.config = config
+        self.machines = {"in-third": self.record("in-third", "stopped")}
+
+    @staticmethod
+    def record(name: str, state: str) -> dict:
+        keys = (
+            "id image cpus memoryMb network createdAt pid url parent"
+        ).split()
+        blank = dict.fromkeys(keys)
+        return blank | {
+            "id": f"t-{name}",
+            "name": name,
+            "state": state,
+            "ports": [],
+            "branchable": False,
+        }
+
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def list_machines(self) -> list[dict]:
+        return [dict(record) for record in self.machines.values()]
+
+    def get_machine(self, name: str) -> dict:
+        if name not in self.machines:
+            raise smol_mcp.ApiError(
+                self.name, f"get machine '{name}'", 404, "NOT_FOUND", "gone"
+            )
+        return dict(self.machines[name])
+
+    def machine_state(self, name: str) -> str | None:
+        return self.get_machine(name)["state"]
+
+    def create_machine(self, spec: smol_mcp.MachineSpec) -> dict:
+        self.machines[spec.name] = self.record(spec.name, "created")
+        return dict(self.machines[spec.name])
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def stop_machine(self, name: str) -> dict:
+        return self.get_machine(name)
+
+    def delete_machine(self, name: str) -> dict:
+        return self.machines.pop(name)
+
+    def branch_machine(self, name: str, child: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def pull_image(self, name: str, image: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def pause_machine(self, name: str) -> tuple[dict, bool]:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def resume_machine(self, name: str) -> tuple[dict, bool]:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def save_state(self, name: str, state: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def restore_state(self, saved: dict, child: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def delete_state(self, saved: dict) -> None:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def publish_port(self, name: str, guest: int, host: int | None) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def unpublish_port(self, name: str, guest: int) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def probe_ready(self, name: str) -> str | None:
+        return self.RUNS_NOTHING
+
+    def exec(
+        self, name: str, argv: list[str], **options: Unpack[ExecOptions]
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        on_output: smol_mcp.OnOutput,
+        **options: Unpack[ExecOptions],
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        **options: Unpack[JobOptions],
+    ) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> smol_mcp.JobPage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def cancel_job(self, name: str, job_id: str) -> None:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]:
+        return []
+
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> smol_mcp.FilePage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def write_file(self, name: str, path: str, data: bytes) -> int:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def console_lines(self, name: str) -> list[str]:
+        return []
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        why = cls.lacking(app.config)
+        return {"served": True, "usable": why is None, "reason": why}
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        if cls.usable:
+            return None
+        return "the third key, which no test sets"
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        return ["machines: kept in memory"], []
+
+
+class UsableThirdFleet(ThirdFleet):
+    usable = True
+
+
+def answer_fleet_asked(fleet: str, asked: list):
+    """An elicitation callback answering the fleet question with
+    ``fleet``; each question (message, schema) is kept in ``asked``."""
+
+    async def callback(context, params):
+        asked.append((params.message, params.requested_schema))
+        return mcp_types.ElicitResult(
+            action="accept", content={"fleet": fleet}
+        )
+
+    return callback
+
+
+class FleetsTableTests(unittest.TestCase):
+    """The README's fleets table has a row for each registered fleet, in
+    the registry's order, and no other."""
+
+    def test_each_fleet_has_its_row(self):
+        readme = (HERE / "README.md").read_text()
+        start = readme.index("| Fleet | What it is | Needs |")
+        table = readme[start:].split("\n\n", 1)[0]
+        rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)
+        self.assertEqual(
+            rows,
+            list(smol_mcp.FLEETS),
+            "each fleet needs a row in the README's fleets table (Fleets "
+            "and modes), in the order the fleets register",
+        )
+
+
+class ThirdFleetTests(FakeCloudCase):
+    """Any number of fleets: with a third registered (ThirdFleet), auto
+    serves every usable fleet, a subset serves exactly itself, and the
+    target argument, the fleet question and --help name them."""
+
+    targets = "auto"
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.register(ThirdFleet)
+        self.app = SmolMcp(self.config)
+
+    def register(self, third: type) -> None:
+        """Make the registry local, cloud and ``third`` until the test
+        ends."""
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet, third)
+
+    def served(self, targets: str) -> SmolMcp:
+        return SmolMcp(dataclasses_replace(self.config, targets=targets))
+
+    def test_the_third_fleet_keeps_the_contract(self):
+        FleetContractTests.check_contract(self, "third", ThirdFleet)
+        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud", "third"])
+        with self.assertRaises(ValueError):
+            smol_mcp.registered(UsableThirdFleet)
+
+    async def test_auto_serves_every_usable_fleet_and_says_so(self):
+        # a cloud key set, the third lacking its own: local and cloud
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "local,cloud")
+        self.assertEqual(list(self.app.fleets), ["local", "cloud"])
+        async with self.client("legacy") as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "cloud"])
+            text = await self.refused(c, "list-machines", {"target": "third"})
+            self.assertIn('"target" must be one of "local", "cloud"', text)
+            document = json.loads(
+                (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+            )
+            self.assertNotIn("third", c.instructions)
+        self.assertEqual(document["mode"], "local,cloud")
+        third = document["fleets"]["third"]
+        self.assertEqual((third["served"], third["usable"]), (False, False))
+        self.assertIn("local,cloud mode", third["reason"])
+        without_key = dataclasses_replace(self.config, cloud_token="")
+        self.assertEqual(smol_mcp.resolve_mode(without_key), "local")
+        # every fleet usable: both, the word for all of them
+        self.register(UsableThirdFleet)
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "both")
+        self.assertEqual(
+            list(self.served("auto").fleets), ["local", "cloud", "third"]
+        )
+
+    async def test_a_subset_serves_exactly_itself(self):
+        self.register(UsableThirdFleet)
+        app = self.served("local,third")
+        self.assertEqual(
+            (app.mode, list(app.fleets)), ("local,third", ["local", "third"])
+        )
+        asked = []
+        callback = answer_fleet_asked("both", asked)
+        async with Client(
+            app.server, mode="legacy", elicitation_callback=callback
+        ) as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "third"])
+                self.assertIn(ThirdFleet.served_as, target["description"])
+                self.assertNotIn("cloud", target["description"])
+            listed = await self.ok(c, "list-machines", {"target": "third"})
+            names = [machine["name"] for machine in listed["machines"]]
+            self.assertEqual(names, ["in-third"])
+            text = await self.refused(c, "list-machines", {"target": "cloud"})
+            self.assertIn('"target" must be one of "local", "third"', text)
+            text = await self.refused(
+                c,
+                "pull-image",
+                {"target": "third", "name": "in-third", "image": "alpine"},
+            )
+            self.assertIn(
+                "pull-image is local only, so the third fleet refuses it",
+                text,
+            )
+            self.assertIn(
+                "pull-image and allow-egress are local only", c.instructions
+            )
+            self.assertIn(ThirdFleet.instruction, c.instructions)
+            self.assertNotIn("Cloud:", c.instructions)
+        # the question offers each served fleet and both; both keeps target
+        ((message, schema),) = asked
+        choice = schema["properties"]["fleet"]
+        self.assertEqual(choice["enum"], ["local", "third", "both"])
+        self.assertIn(ThirdFleet.served_as, message)
+        self.assertNotIn("cloud", message)
+        self.assertEqual(self.cloud.requests, [])
+
+    async def test_a_tool_the_fleet_does_not_serve_asks_nobody(self):
+        # approval on every change: the refusal comes before the question,
+        # and the fleet (whose pull_image would say RUNS_NOTHING) is not
+        # called
+        self.register(UsableThirdFleet)
+        config = dataclasses_replace(
+            self.config,
+            targets="third",
+            approval="changes",
+            approval_via="client",
+        )
+        asked = []
+        callback = answer_form("accept", {"approve": True}, asked)
+        async with Client(
+            SmolMcp(config).server,
+            mode="legacy",
+            elicitation_callback=callback,
+        ) as c:
+            args = {"name": "in-third", "image": "alpine"}
+            text = await self.refused(c, "pull-image", args)
+        self.assertIn(
+            "pull-image is local only, so the third fleet refuses it: "
+            "create-machine pulls a machine's image itself there",
+            text,
+        )
+        self.assertNotIn(ThirdFleet.RUNS_NOTHING, text)
+        self.assertEqual(asked, [])
+
+    def test_a_fleet_named_must_be_usable_and_registered(self):
+        with self.assertRaises(ConfigError) as caught:
+            self.served("local,third")
+        self.assertIn(
+            "SMOL_MCP_TARGETS=local,third needs the third key",
+            str(caught.exception),
+        )
+        environ = {
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "HOME": self.tmp,
+            "SMOL_MCP_TARGETS": "third, local",
+        }
+        self.assertEqual(load_config(environ).targets, "local,third")
+        for wrong in ("mars", "local,mars", ",", "auto,local"):
+            with self.subTest(targets=wrong):
+                environ["SMOL_MCP_TARGETS"] = wrong
+                with self.assertRaises(ConfigError) as caught:
+                    load_config(environ)
+                self.assertIn(
+                    "SMOL_MCP_TARGETS must be one of auto, local, cloud, "
+                    "third, both, or fleets joined by commas",
+                    str(caught.exception),
+                )
+
+    def test_a_token_names_a_subset_or_both(self):
+        parse = smol_mcp.parse_targets
+        self.assertEqual(parse("third,local"), ("local", "third"))
+        self.assertEqual(parse("both"), ("local", "cloud", "third"))
+        self.assertEqual(parse(None), ("local", "cloud", "third"))
+        with self.assertRaises(ConfigError) as caught:
+            parse("local,mars")
+        self.assertIn(
+            "one of local, cloud, third, both", str(caught.exception)
+        )
+        # a principal that names no fleet may use every registered one
+        everyone = smol_mcp.Principal("x", frozenset(smol_mcp.SCOPES))
+        self.assertEqual(everyone.targets, ("local", "cloud", "third"))
+        narrowed = smol_mcp.Principal(
+            "y", frozenset(smol_mcp.SCOPES), parse("local,third")
+        )
+        smol_mcp.authorize(narrowed, "list-machines", "third", None)
+        with self.assertRaises(smol_mcp.ScopeMissing) as caught:
+            smol_mcp.authorize(narrowed, "list-machines", "cloud", None)
+        self.assertIn("the local and third fleet only", str(caught.exception))
+
+    def test_help_names_every_registered_fleet(self):
+        out = io.StringIO()
+        for argv in (["--help"], ["tokens", "create", "--help"]):
+            with self.subTest(argv=argv):
+                with contextlib.redirect_stdout(out):
+                    with self.assertRaises(SystemExit):
+                        smol_mcp.parse_args(argv)
+        said = " ".join(out.getvalue().split())
+        self.assertIn("auto | local | cloud | third | both", said)
+        self.assertIn("one of local, cloud, third, both", said)
 
 
 def answer_allow(action: str, allow: bool = True, asked: list | None = None):
@@ -9192,7 +9587,7 @@ class SlowBodyProcessTests(unittest.TestCase):
         state = f"{self.tmp}/state"
         store = smol_mcp.TokenStore(state)
         every = tuple(smol_mcp.SCOPES)
-        fleets = smol_mcp.FLEET_NAMES
+        fleets = tuple(smol_mcp.FLEETS)
         self.victim = store.create("victim", every, fleets, "none")[1]
         self.attacker = store.create(
             "attacker", ("sandbox.read",), fleets, "none"
@@ -9450,7 +9845,7 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (19, [], []),
+            (24, [], []),
         )
         called = set(report["called"])
         for verb in ("pause", "resume"):
@@ -9480,7 +9875,7 @@ class HelperCommandTests(CliCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn(
-            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
+            "24 called, 29 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
             "skipped  POST   /api/v1/machines/{name}/export: needs a "
@@ -10241,6 +10636,58 @@ class SetupEntryTests(unittest.TestCase):
             json.loads(backups[0].read_text()),
             {"mcpServers": {"other": {"command": "x"}}},
         )
+
+
+class SetupBackupTests(unittest.TestCase):
+    """setup --write backs a file up into the configured state directory
+    (SMOL_MCP_STATE_DIR, or stateDir in the config file), never the
+    default one under HOME."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.home = Path(self.tmp, "home")
+        self.project = Path(self.tmp, "project")
+        self.home.mkdir()
+        self.project.mkdir()
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(self.home),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/config.json",
+        }
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_backed_up(self, env: dict) -> Path:
+        """Run setup claude-code --write over a project file; return the
+        one backup made, checking none went under HOME."""
+        original = '{"mcpServers": {"other": {"command": "x"}}}'
+        (self.project / ".mcp.json").write_text(original)
+        out = run_cli(
+            "setup", "claude-code", "--write", env=env, cwd=self.project
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(list(self.home.iterdir()), [])
+        backed_up = re.search(r"backed up \S+ to (\S+)", out.stdout)
+        self.assertIsNotNone(backed_up, out.stdout)
+        backup = Path(backed_up[1])
+        self.assertEqual(backup.read_text(), original)
+        return backup
+
+    def test_the_state_dir_variable_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-env")
+        env = {**self.env, "SMOL_MCP_STATE_DIR": str(state)}
+        backup = self.write_backed_up(env)
+        self.assertEqual(backup.parent, state / "backups")
+        self.assertEqual(stat.S_IMODE(state.stat().st_mode), 0o700)
+
+    def test_the_config_files_state_dir_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-file")
+        Path(self.env["SMOL_MCP_CONFIG"]).write_text(
+            json.dumps({"stateDir": str(state)})
+        )
+        backup = self.write_backed_up(self.env)
+        self.assertEqual(backup.parent, state / "backups")
 
 
 class PublishTests(unittest.TestCase):
@@ -11678,7 +12125,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(
-            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
+            "24 called, 29 skipped, 0 unknown, 0 missing", out.stdout
         )
 
     async def test_create_get_list_delete_a_record(self):
@@ -12321,6 +12768,18 @@ def pool_steps() -> list:
         ("POST", f"{leases}/l1/heartbeat", b"x", None),
         ("POST", f"{leases}/l1/complete", {"x": 1}),
         ("GET", f"{leases}/l1/complete", None),
+        # The requests of the server's warm pools, as it sends them.
+        create(source="itw-none", freezeSource=True),
+        create(freezeSource=True),
+        (
+            "POST",
+            f"{pools}/itw-none/leases",
+            {"idempotencyKey": "0" * 32, "env": ["JOB=7"], "waitSecs": 0},
+        ),
+        ("POST", leases, {"idempotencyKey": "", "env": [], "waitSecs": 0}),
+        ("POST", leases, {"idempotencyKey": "k", "env": ["A"], "waitSecs": 0}),
+        ("POST", f"{pools}/itw-none/leases/lease-0/heartbeat", None),
+        ("POST", f"{pools}/itw-none/leases/lease-0/complete", None),
         ("POST", "/capacity", None),
         ("DELETE", "/api/v1/machines/itw-a", None),
     ]
@@ -12343,6 +12802,30 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
         text = text.replace(cache_dir, "<cache-dir>")
         answers.append((f"{method} {path} {body!r}", status, ctype, text))
     return answers
+
+
+def warm_pool_calls(socket_path: str, tmp: str) -> list:
+    """What the server's own pool and lease calls (LocalFleet) answer on a
+    serve with no pool and no running source: the answer, or the
+    refusal's status, code and sentence."""
+    config = fake_config(tmp, socket_path)
+    fleet = smol_mcp.LocalFleet(config)
+    calls = (
+        fleet.list_pools,
+        functools.partial(fleet.create_pool, "itw-q", "itw-none", 1),
+        functools.partial(fleet.create_pool, "Bad Name", "itw-none", 1),
+        functools.partial(fleet.lease, "itw-q", "k" * 32, {"A": "1"}),
+        functools.partial(fleet.lease, "itw-q", "", {}),
+        functools.partial(fleet.heartbeat_lease, "itw-q", "lease-0"),
+        functools.partial(fleet.complete_lease, "itw-q", "lease-0"),
+    )
+    outcomes = []
+    for call in calls:
+        try:
+            outcomes.append(("answered", call()))
+        except smol_mcp.ApiError as err:
+            outcomes.append((err.status, err.code, str(err)))
+    return outcomes
 
 
 @contextlib.contextmanager
@@ -12438,12 +12921,14 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
             cls.real_capacity = json.loads(
                 send_raw(socket_path, "GET", "/capacity")[2]
             )
+            cls.real_calls = warm_pool_calls(socket_path, cls.tmp)
         fake_socket = f"{cls.tmp}/fake.sock"
         with FakeSmolvm(fake_socket, cache_disk_dir=fake_dir):
             cls.fake = warm_routes_exchange(fake_socket, fake_dir)
             cls.fake_capacity = json.loads(
                 send_raw(fake_socket, "GET", "/capacity")[2]
             )
+            cls.fake_calls = warm_pool_calls(fake_socket, cls.tmp)
 
     @classmethod
     def tearDownClass(cls):
@@ -12471,6 +12956,22 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
         self.assertEqual(by_request[empty][0], 404)
         gone = "DELETE /api/v1/cache-bases/never.raw None"
         self.assertEqual(by_request[gone], (204, "", ""))
+
+    def test_the_servers_pool_and_lease_calls_are_refused_alike(self):
+        self.assertEqual(self.fake_calls, self.real_calls)
+        self.assertEqual(self.real_calls[0], ("answered", []))
+        self.assertEqual(
+            self.real_calls[1],
+            (
+                404,
+                "NOT_FOUND",
+                "The local machine API refused to create the fork pool "
+                "'itw-q': machine 'itw-none' not found (HTTP 404 NOT_FOUND)",
+            ),
+        )
+        self.assertEqual(self.real_calls[3][:2], (404, "NOT_FOUND"))
+        self.assertIn("fork pool 'itw-q' not found", self.real_calls[3][2])
+        self.assertIn("fork lease 'lease-0' not found", self.real_calls[6][2])
 
     def test_capacity_has_the_real_keys_and_a_boot_id(self):
         self.assertEqual(list(self.fake_capacity), list(self.real_capacity))
@@ -13194,6 +13695,997 @@ class FakeEmptyPoolTests(FakePoolCase):
         self.assertGreaterEqual(time.monotonic() - started, 1.0)
 
 
+# ---------------------------------------------------------------------------
+# Warm pools: create-machine {pool}, against the fake's fork pools
+# ---------------------------------------------------------------------------
+
+POOL_PY = smol_mcp.WarmPool("py", "alpine", 2)
+
+
+def pooled_env(tmp: str, pools: dict) -> dict:
+    """An environment whose config file holds ``pools`` as warmPools."""
+    path = Path(tmp) / "pools-config.json"
+    path.write_text(json.dumps({"warmPools": pools}))
+    return {"SMOL_MCP_CONFIG": str(path), "HOME": tmp}
+
+
+class WarmPoolConfigTests(unittest.TestCase):
+    """warmPools is read from the config file only, and each flaw stops
+    startup naming the pool and its key."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+
+    def load(self, pools, **environ):
+        return load_config({**pooled_env(self.tmp, pools), **environ})
+
+    def test_a_pool_is_read_with_its_spec_in_the_files_order(self):
+        config = self.load(
+            {
+                "py": {
+                    "image": "python:3.12-alpine",
+                    "ready": 3,
+                    "cpus": 1,
+                    "memoryMb": 512,
+                    "allowHosts": ["pypi.org"],
+                },
+                "node": {"image": "node:22", "ready": 1, "network": "open"},
+            }
+        )
+        self.assertEqual(
+            config.warm_pools,
+            (
+                smol_mcp.WarmPool(
+                    "py",
+                    "python:3.12-alpine",
+                    3,
+                    cpus=1,
+                    memory_mb=512,
+                    allow_hosts=("pypi.org",),
+                ),
+                smol_mcp.WarmPool("node", "node:22", 1, network="open"),
+            ),
+        )
+        self.assertEqual(load_config(pooled_env(self.tmp, {})).warm_pools, ())
+        setting = next(s for s in smol_mcp.SETTINGS if s.attr == "warm_pools")
+        self.assertEqual((setting.key, setting.env), ("warmPools", ""))
+        # No variable reads it: a structure is the file's alone.
+        environ = {"SMOL_MCP_WARM_POOLS": "py"}
+        self.assertEqual(self.load({}, **environ).warm_pools, ())
+
+    def test_each_flaw_names_the_pool_and_its_key(self):
+        where = '"warmPools" in the config file'
+        cases = [
+            (["py"], f"{where} must be an object of pools by name"),
+            ({"py": "alpine"}, f'{where}, pool "py", must be an object'),
+            ({"Bad Name": {}}, "names the pool 'Bad Name': a pool name"),
+            ({"a" * 65: {}}, "at most 64 of them"),
+            ({"py": {"ready": 1}}, 'pool "py", needs "image"'),
+            ({"py": {"image": "alpine"}}, 'pool "py", needs "ready"'),
+            (
+                {"py": {"image": "alpine", "ready": 0}},
+                '"ready" must be a whole number from 1 to 16; got 0',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 17}},
+                '"ready" must be a whole number from 1 to 16; got 17',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": True}},
+                '"ready" must be a whole number from 1 to 16; got true',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "cpus": 256}},
+                '"cpus" must be a whole number from 1 to 255',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "memoryMb": 64}},
+                '"memoryMb" must be a whole number from 128',
+            ),
+            (
+                {"py": {"image": "", "ready": 1}},
+                '"image" must be an image reference',
+            ),
+            (
+                {"py": {"image": "a\nb", "ready": 1}},
+                '"image" must be an image reference',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "network": "on"}},
+                '"network" must be one of open, blocked; got "on"',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "imag": "x"}},
+                'has no key "imag" (did you mean "image"?)',
+            ),
+            (
+                {"py": {"image": "a", "ready": 1, "allowHosts": "x.org"}},
+                '"allowHosts" must be a list of strings',
+            ),
+            (
+                {
+                    "py": {
+                        "image": "a",
+                        "ready": 1,
+                        "network": "open",
+                        "allowHosts": ["pypi.org"],
+                    }
+                },
+                'gives "network" and an allow list',
+            ),
+            (
+                {"py": {"image": "a", "ready": 1, "allowHosts": ["127.1"]}},
+                'warmPools, pool "py", "allowHosts[0]" is the address',
+            ),
+            (
+                {
+                    "py": {
+                        "image": "a",
+                        "ready": 1,
+                        "allowCidrs": ["10.0.0.0/8"],
+                    }
+                },
+                "\"allowCidrs[0]\" is '10.0.0.0/8', which no allow list may",
+            ),
+            (
+                {f"p{i}": {"image": "a", "ready": 1} for i in range(9)},
+                "names 9 pools; at most 8",
+            ),
+        ]
+        for pools, expected in cases:
+            with self.subTest(pools=pools):
+                with self.assertRaises(ConfigError) as caught:
+                    self.load(pools)
+                self.assertIn(expected, str(caught.exception))
+        # A private range the operator allows is allowed in a pool too.
+        config = self.load(
+            {"py": {"image": "a", "ready": 1, "allowCidrs": ["10.1.0.0/16"]}},
+            SMOL_MCP_EGRESS_PRIVATE_CIDRS="10.0.0.0/8",
+        )
+        self.assertEqual(config.warm_pools[0].allow_cidrs, ("10.1.0.0/16",))
+
+    def test_a_heartbeat_comes_every_third_of_the_lease_ttl(self):
+        self.assertEqual(smol_mcp.lease_beat_secs(600), 200)
+        self.assertEqual(smol_mcp.lease_beat_secs(30), 10)
+        self.assertEqual(
+            smol_mcp.lease_beat_secs(6), smol_mcp.LEASE_BEAT_MIN_SECS
+        )
+        self.assertEqual(smol_mcp.pool_share(POOL_PY), 1)
+        self.assertEqual(
+            smol_mcp.pool_share(smol_mcp.WarmPool("p", "a", 1)), 1
+        )
+        self.assertEqual(
+            smol_mcp.pool_share(smol_mcp.WarmPool("p", "a", 16)), 8
+        )
+
+
+class WarmPoolCase(FakeServeCase):
+    """A server whose config has the warm pool py (2 ready) on the fake."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def pools_made(self, client, names=("py",), app=None) -> None:
+        """Make the first local call, and wait until each named pool can
+        be leased from, its workers ready on the fake."""
+        app = app or self.app
+        await self.ok(client, "list-machines", {})
+        await wait_until(
+            lambda: all(app.pools.unavailable(n) is None for n in names),
+            30,
+            "the pools are made",
+        )
+        for name in names:
+            wanted = app.pools.specs[name].ready
+            await wait_until(
+                lambda name=name: self.engine_pool(name)["ready"] >= wanted,
+                10,
+                f"pool {name} is full",
+            )
+
+    def engine_pool(self, name: str) -> dict:
+        """The fake's record of a pool (asking it fills the pool)."""
+        status, _, text = send_raw(
+            self.socket_path, "GET", f"/api/v1/pools/{name}"
+        )
+        self.assertEqual(status, 200, text)
+        return json.loads(text)
+
+    def journal_from(self, start: int) -> list[tuple[str, str]]:
+        return [r[:2] for r in self.fake.requests[start:]]
+
+    def lease_of(self, machine: str) -> dict:
+        [lease] = [
+            lease
+            for lease in self.fake._leases.values()
+            if lease["machine"] == machine
+        ]
+        return lease
+
+
+class WarmPoolEraScenarios:
+    """A pooled create, used and deleted, in one protocol era."""
+
+    mode = "legacy"
+
+    async def test_a_pooled_machine_is_one_lease_no_readiness_and_a_completion(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            created = await self.ok(
+                c, "create-machine", {"pool": "py", "env": {"JOB": "7"}}
+            )
+            journal = self.journal_from(start)
+            name = created["machine"]["name"]
+            self.assertEqual(
+                journal,
+                [
+                    ("POST", "/api/v1/pools/py/leases"),
+                    ("GET", f"/api/v1/machines/{name}"),
+                ],
+            )
+            body = self.fake.requests[start][2]
+            self.assertEqual(list(body), ["idempotencyKey", "env", "waitSecs"])
+            self.assertRegex(body["idempotencyKey"], r"^[0-9a-f]{32}$")
+            self.assertEqual((body["env"], body["waitSecs"]), (["JOB=7"], 0))
+            self.assertEqual(
+                {k: v for k, v in created.items() if k != "machine"},
+                {
+                    "ephemeral": True,
+                    "ready": True,
+                    "warm": True,
+                    "pool": "py",
+                    "readyMs": created["readyMs"],
+                },
+            )
+            self.assertIsInstance(created["readyMs"], int)
+            self.assertGreaterEqual(created["readyMs"], 0)
+            self.assertTrue(name.startswith("pool-py-"), name)
+            self.assertEqual(
+                (created["machine"]["state"], created["machine"]["parent"]),
+                ("running", "smol-pool-py"),
+            )
+            # Owned and recorded as any ephemeral machine of the session.
+            owners = self.app.access.owners
+            self.assertEqual(owners.owner("local", name), "stdio")
+            (record,) = (Path(self.config.runtime_dir) / "sessions").glob(
+                "*.json"
+            )
+            written = json.loads(record.read_text())
+            lease = self.lease_of(name)
+            self.assertEqual(written["machines"], [name])
+            self.assertEqual(
+                written["leases"], {name: {"pool": "py", "id": lease["id"]}}
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": "echo $JOB"}
+            )
+            self.assertEqual(ran["stdout"], "7\n")
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual(
+                [m["name"] for m in listed["machines"]], [name]
+            )  # the source and the unleased workers are not listed
+            start = len(self.fake.requests)
+            deleted = await self.ok(c, "delete-machine", {"name": name})
+            self.assertEqual(deleted, {"deleted": name})
+            self.assertEqual(
+                self.journal_from(start),
+                [("POST", f"/api/v1/pools/py/leases/{lease['id']}/complete")],
+            )
+            self.assertEqual(lease["state"], "completed")
+            self.assertIsNone(owners.owner("local", name))
+            self.assertIsNone(self.app.local.leases.get(name))
+        self.assertNotIn(name, self.fake.machines)
+        entries = self.app.access.activity.entries()
+        made = [e for e in entries if e.get("tool") == "create-machine"]
+        self.assertEqual(
+            (made[0]["machine"], made[0]["warm"], made[0]["outcome"]),
+            (name, True, "ok"),
+        )
+        self.assertEqual(made[0]["arguments"]["pool"], "py")
+
+
+class WarmPoolHandshakeEra(WarmPoolEraScenarios, WarmPoolCase):
+    mode = "legacy"
+
+
+class WarmPoolModernEra(WarmPoolEraScenarios, WarmPoolCase):
+    mode = "auto"
+
+
+class WarmPoolTests(WarmPoolCase):
+    """The lease's life beside the session's, the crash sweep, a restart,
+    the refusals, the names no tool takes, the cost in requests."""
+
+    async def test_the_session_end_completes_its_leases(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+            name = created["machine"]["name"]
+            lease = self.lease_of(name)
+            start = len(self.fake.requests)
+        completion = (
+            "POST",
+            f"/api/v1/pools/py/leases/{lease['id']}/complete",
+        )
+        self.assertIn(completion, self.journal_from(start))
+        self.assertNotIn(
+            ("DELETE", f"/api/v1/machines/{name}"), self.journal_from(start)
+        )
+        self.assertEqual(lease["state"], "completed")
+        self.assertNotIn(name, self.fake.machines)
+        self.assertEqual(list(self.app.local.leases.records([name])), [])
+        # The pool refills, and its source stays the operator's.
+        self.assertEqual(self.engine_pool("py")["ready"], 2)
+        self.assertIn("smol-pool-py", self.fake.machines)
+
+    async def test_heartbeats_keep_a_lease_alive_while_its_session_lives(self):
+        def beats(lease_id):
+            path = f"/api/v1/pools/py/leases/{lease_id}/heartbeat"
+            return len([r for r in self.fake.requests if r[1] == path])
+
+        with unittest.mock.patch.object(
+            smol_mcp, "lease_beat_secs", return_value=0.2
+        ):
+            async with self.client("legacy") as c:
+                await self.pools_made(c)
+                created = await self.ok(c, "create-machine", {"pool": "py"})
+                lease = self.lease_of(created["machine"]["name"])
+                expires = lease["expiresAt"]
+                lease["expiresAt"] = expires - 100
+                # A heartbeat puts the expiry a TTL ahead again.
+                await wait_until(
+                    lambda: lease["expiresAt"] >= expires, 10, "a heartbeat"
+                )
+                await wait_until(
+                    lambda: beats(lease["id"]) >= 2, 10, "two heartbeats"
+                )
+            after = beats(lease["id"])
+            await asyncio.sleep(0.6)
+            self.assertEqual(beats(lease["id"]), after)  # the session ended
+
+    async def test_no_heartbeat_is_sent_for_a_session_that_has_ended(self):
+        ended = smol_mcp.Lease(
+            "py",
+            "lease-0",
+            "pool-py-0",
+            session=types.SimpleNamespace(ended=True),
+        )
+        self.app.local.leases._beat(ended)
+        self.assertEqual(ended.beat_at, float("inf"))
+        self.assertEqual(self.fake.requests, [])
+
+    async def test_a_lease_the_engine_ended_is_deleted_when_its_machine_is(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+            name = created["machine"]["name"]
+            lease = self.lease_of(name)
+            # Expired (the fake removes an expired lease's worker: put it
+            # back, as an engine that keeps it would).
+            lease["expiresAt"] = 0
+            self.engine_pool("py")
+            self.assertEqual(lease["state"], "expired")
+            EraScenarios.fake_direct_create(self, name)
+            start = len(self.fake.requests)
+            deleted = await self.ok(c, "delete-machine", {"name": name})
+            self.assertEqual(deleted, {"deleted": name})
+            self.assertEqual(
+                self.journal_from(start),
+                [
+                    (
+                        "POST",
+                        f"/api/v1/pools/py/leases/{lease['id']}/complete",
+                    ),
+                    ("DELETE", f"/api/v1/machines/{name}"),
+                ],
+            )
+        self.assertNotIn(name, self.fake.machines)
+
+    async def test_a_pool_gone_from_the_engine_is_made_again(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            status, _, text = send_raw(
+                self.socket_path, "DELETE", "/api/v1/pools/py?force=true"
+            )
+            self.assertEqual(status, 200, text)
+            cold = await self.ok(c, "create-machine", {"pool": "py"})
+            self.assertFalse(cold["warm"])
+            self.assertIn(
+                "the pool 'py' is not available: gone from the engine",
+                cold["why"],
+            )
+            await wait_until(
+                lambda: "py" in self.fake._pools, 30, "py is made again"
+            )
+            await self.pools_made(c)
+            self.assertTrue(
+                (await self.ok(c, "create-machine", {"pool": "py"}))["warm"]
+            )
+
+    async def test_doctor_reports_the_pools_and_makes_nothing(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await asyncio.to_thread(smol_mcp.doctor, self.app)
+        await asyncio.sleep(0.5)  # a thread making pools would have begun
+        self.assertIn(
+            "warm pool py (alpine): not available: not made yet: the server"
+            " makes its warm pools at its first local tool call",
+            out.getvalue(),
+        )
+        self.assertEqual([r for r in self.fake.requests if r[0] != "GET"], [])
+        self.assertEqual(self.fake._pools, {})
+
+    async def test_the_next_process_completes_the_leases_a_dead_one_left(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+        status, _, text = send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/pools/py/leases",
+            {"idempotencyKey": "left-behind"},
+        )
+        self.assertEqual(status, 200, text)
+        lease = json.loads(text)
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+        )
+        sessions = Path(self.config.runtime_dir) / "sessions"
+        sessions.mkdir(parents=True, exist_ok=True)
+        (sessions / "dead.json").write_text(
+            json.dumps(
+                {
+                    "pid": int(dead.stdout),
+                    "endpoint": self.app.local.endpoint,
+                    "machines": [lease["machine"]],
+                    "leases": {
+                        lease["machine"]: {"pool": "py", "id": lease["id"]}
+                    },
+                }
+            )
+        )
+        start = len(self.fake.requests)
+        later = SmolMcp(self.config)
+        async with Client(later.server, mode="legacy") as c:
+            await self.ok(c, "list-machines", {})
+        journal = self.journal_from(start)
+        self.assertIn(
+            ("POST", f"/api/v1/pools/py/leases/{lease['id']}/complete"),
+            journal,
+        )
+        self.assertNotIn(
+            ("DELETE", f"/api/v1/machines/{lease['machine']}"), journal
+        )
+        self.assertNotIn(lease["machine"], self.fake.machines)
+        self.assertEqual(list(sessions.glob("*.json")), [])
+        swept = [
+            e
+            for e in later.access.activity.entries()
+            if e.get("event") == "orphan-cleanup"
+        ]
+        self.assertEqual([e["machine"] for e in swept], [lease["machine"]])
+
+    async def test_a_lease_whose_owner_cannot_be_recorded_is_completed(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            Path(self.config.state_dir).mkdir(
+                0o700, parents=True, exist_ok=True
+            )
+            (Path(self.config.state_dir) / "owners.json").write_text("[]")
+            start = len(self.fake.requests)
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+            self.assertIn(
+                "owners.json is not shaped as this server writes it", text
+            )
+            journal = self.journal_from(start)
+            self.assertEqual(journal[0], ("POST", "/api/v1/pools/py/leases"))
+            self.assertRegex(
+                journal[-1][1], r"^/api/v1/pools/py/leases/lease-\w+/complete$"
+            )
+        self.assertEqual(
+            [lease["state"] for lease in self.fake._leases.values()],
+            ["completed"],
+        )
+
+    async def test_a_restarted_server_adopts_the_pools_the_engine_has(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+        start = len(self.fake.requests)
+        later = SmolMcp(self.config)
+        async with Client(later.server, mode="legacy") as c:
+            await self.pools_made(c, app=later)
+            made = self.journal_from(start)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+        self.assertIn(("GET", "/api/v1/pools"), made)
+        self.assertNotIn(("POST", "/api/v1/pools"), made)
+        self.assertNotIn(("POST", "/api/v1/machines"), made)
+        self.assertTrue(created["warm"])
+        self.assertEqual(len(self.fake._pools), 1)
+
+    async def test_the_arguments_a_pool_fixed_are_refused_with_a_sentence(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            for extra in (
+                {"image": "alpine"},
+                {"name": "mine"},
+                {"cpus": 4},
+                {"network": "open"},
+                {"allowHosts": ["pypi.org"]},
+                {"start": False},
+                {"branchable": True},
+            ):
+                with self.subTest(extra=extra):
+                    text = await self.refused(
+                        c, "create-machine", {"pool": "py", **extra}
+                    )
+                    self.assertIn(
+                        f'"{next(iter(extra))}" cannot be given with "pool"',
+                        text,
+                    )
+                    self.assertIn("its name is in the result", text)
+            text = await self.refused(
+                c, "create-machine", {"pool": "pyy", "env": {"A": "1"}}
+            )
+            self.assertIn(
+                "\"pool\" is 'pyy', which is not a warm pool of this server"
+                ' (did you mean "py"?); the pools are: py',
+                text,
+            )
+            text = await self.refused(
+                c, "create-machine", {"pool": "py", "env": {"A": "1\nB=2"}}
+            )
+            self.assertIn('"env.A" holds a newline or NUL', text)
+            text = await self.refused(c, "create-machine", {"pool": "../x"})
+            self.assertIn('"pool" must start with a letter or digit', text)
+            text = await self.refused(c, "create-machine", {})
+            self.assertIn('create-machine needs the argument "image"', text)
+            self.assertIn('or "pool": a warm pool', text)
+            self.assertEqual(self.journal_from(start), [])
+
+    async def test_no_tool_takes_the_servers_own_machines_or_unleased_workers(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            held = next(
+                n for n in self.fake.machines if n.startswith("pool-py-")
+            )
+            start = len(self.fake.requests)
+            for tool, args in (
+                ("get-machine", {"name": "smol-pool-py"}),
+                ("delete-machine", {"name": "smol-pool-py"}),
+                ("run-command", {"name": "smol-pool-py", "command": "id"}),
+                ("create-machine", {"name": "smol-x", "image": "alpine"}),
+                (
+                    "branch-machine",
+                    {"name": "smol-pool-py", "childName": "kid"},
+                ),
+                ("branch-machine", {"name": "kid", "childName": "smol-k"}),
+            ):
+                with self.subTest(tool=tool, args=args):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn(
+                        "is a name this server keeps for its own machines",
+                        text,
+                    )
+            for tool, args in (
+                ("run-command", {"name": held, "command": "touch /poison"}),
+                ("write-file", {"name": held, "path": "/p", "content": "x"}),
+                ("delete-machine", {"name": held}),
+            ):
+                with self.subTest(tool=tool):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn(
+                        f"'{held}' is a worker the engine keeps ready for the"
+                        " warm pool 'py', leased to nobody",
+                        text,
+                    )
+            self.assertEqual(self.journal_from(start), [])
+            # A worker named otherwise is known by its source, where its
+            # record says it.
+            EraScenarios.fake_direct_create(self, "w-1")
+            self.fake._machines["w-1"]["parentMachine"] = "smol-pool-py"
+            self.assertEqual(
+                (await self.ok(c, "list-machines", {}))["machines"], []
+            )
+
+    async def test_a_pooled_create_makes_the_requests_the_tools_table_says(
+        self,
+    ):
+        readme = (HERE / "README.md").read_text()
+        row = re.search(r"^\| `create-machine` \|.*\|$", readme, re.M)[0]
+        expected = int(re.search(r"from a pool: (\d+)", row)[1])
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            await self.ok(c, "create-machine", {"pool": "py"})
+            self.assertEqual(len(self.fake.requests) - start, expected)
+
+    async def test_smol_pools_lists_each_pool_with_the_engines_counts(self):
+        async with self.client("legacy") as c:
+            listed = [str(r.uri) for r in (await c.list_resources()).resources]
+            self.assertIn(smol_mcp.POOLS_URI, listed)
+            before = json.loads(
+                (await c.read_resource(smol_mcp.POOLS_URI)).contents[0].text
+            )
+            self.assertEqual(
+                (
+                    before["pools"][0]["available"],
+                    before["pools"][0]["reason"],
+                ),
+                (False, smol_mcp.POOL_NOT_MADE),
+            )
+            self.assertNotIn(("POST", "/api/v1/pools"), self.journal_from(0))
+            await self.pools_made(c)
+            await self.ok(c, "create-machine", {"pool": "py"})
+            self.engine_pool("py")
+            document = json.loads(
+                (await c.read_resource(smol_mcp.POOLS_URI)).contents[0].text
+            )
+        self.assertEqual(
+            document["pools"],
+            [
+                {
+                    "name": "py",
+                    "source": "smol-pool-py",
+                    "image": "alpine",
+                    "cpus": None,
+                    "memoryMb": None,
+                    "network": None,
+                    "allowHosts": [],
+                    "allowCidrs": [],
+                    "desiredReady": 2,
+                    "sharePerCaller": 1,
+                    "available": True,
+                    "reason": None,
+                    "engine": {"ready": 2, "provisioning": 0, "active": 1},
+                }
+            ],
+        )
+
+
+class WarmPoolStdioApprovalTests(WarmPoolCase):
+    """A pooled create waits for a person like any create, and is logged."""
+
+    config_overrides = {
+        "warm_pools": (POOL_PY,),
+        "approval": "changes",
+        "approval_timeout_secs": 30,
+    }
+
+    async def test_a_pooled_create_waits_for_approval_and_is_logged(self):
+        desk = self.app.access.desk
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"pool": "py"})
+            )
+            await wait_until(lambda: desk.pending(), 10, "the call waits")
+            [held] = desk.pending()
+            self.assertEqual(held["arguments"], {"pool": "py"})
+            self.assertEqual(self.journal_from(start), [])  # nothing ran
+            desk.respond(held["id"], {"decision": "approve", "by": "tester"})
+            created = result_of(await call)[1]
+            self.assertTrue(created["warm"], created)
+        [entry] = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "tool" and e.get("tool") == "create-machine"
+        ]
+        self.assertEqual(
+            (entry["approvedBy"], entry["machine"], entry["warm"]),
+            ("tester", created["machine"]["name"], True),
+        )
+
+
+class WarmEmptyPoolTests(WarmPoolCase):
+    """A pool whose workers take a minute to boot: a create is made cold
+    from the pool's spec, and says why."""
+
+    fake_options = {"pool_fill_secs": 60}
+    config_overrides = {
+        "warm_pools": (
+            smol_mcp.WarmPool("py", "alpine", 2, cpus=1, memory_mb=512),
+        ),
+    }
+
+    async def test_an_empty_pool_still_gives_a_machine_and_says_why(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            await wait_until(
+                lambda: self.app.pools.unavailable("py") is None,
+                30,
+                "the pool is made",
+            )
+            start = len(self.fake.requests)
+            created = await self.ok(
+                c, "create-machine", {"pool": "py", "env": {"JOB": "7"}}
+            )
+            journal = self.journal_from(start)
+            name = created["machine"]["name"]
+            self.assertEqual(journal[0], ("POST", "/api/v1/pools/py/leases"))
+            self.assertEqual(journal[1], ("POST", "/api/v1/machines"))
+            self.assertEqual(
+                self.fake.requests[start + 1][2],
+                {
+                    "name": name,
+                    "image": "alpine",
+                    "cpus": 1,
+                    "memoryMb": 512,
+                    "network": False,
+                    "env": [{"name": "JOB", "value": "7"}],
+                },
+            )
+            self.assertTrue(name.startswith("mcp-"), name)
+            self.assertEqual(
+                (created["warm"], created["pool"], created["ephemeral"]),
+                (False, "py", True),
+            )
+            self.assertIn(
+                "the pool 'py' had no clean worker ready", created["why"]
+            )
+            self.assertIn("made cold from the pool's spec", created["why"])
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": "echo $JOB"}
+            )
+            self.assertEqual(ran["stdout"], "7\n")
+        self.assertNotIn(name, self.fake.machines)  # ephemeral, deleted
+        [entry] = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("tool") == "create-machine"
+        ]
+        self.assertEqual(entry["warm"], False)
+        self.assertIn("no clean worker ready", entry["why"])
+
+    async def test_a_create_before_the_pool_is_made_is_cold_and_says_so(self):
+        async with self.client("legacy") as c:
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+        self.assertFalse(created["warm"])
+        self.assertIn(
+            "the pool 'py' is not available: still being made", created["why"]
+        )
+
+
+class WarmPoolUnmadeTests(WarmPoolCase):
+    """A pool that cannot be made: others are made and every tool works;
+    the log, doctor and smol://pools say why; doctor makes nothing."""
+
+    config_overrides = {
+        "warm_pools": (POOL_PY, smol_mcp.WarmPool("node", "alpine", 1)),
+    }
+
+    async def test_a_pool_that_cannot_be_made_is_reported_and_others_work(
+        self,
+    ):
+        # The engine has a pool named py already, made from another source.
+        status, _, text = send_raw(
+            self.socket_path, "POST", "/api/v1/machines", {"name": "other"}
+        )
+        self.assertEqual(status, 200, text)
+        send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/machines/other/start?branchable=true",
+        )
+        status, _, text = send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/pools",
+            {"name": "py", "source": "other", "desiredReady": 1},
+        )
+        self.assertEqual(status, 200, text)
+        with self.assertLogs("smol_mcp", "WARNING") as logged:
+            async with self.client("legacy") as c:
+                await self.pools_made(c, names=("node",))
+                await wait_until(
+                    lambda: (
+                        "could not be made"
+                        in (self.app.pools.unavailable("py") or "")
+                    ),
+                    10,
+                    "py is reported",
+                )
+                self.assertTrue(
+                    (await self.ok(c, "create-machine", {"pool": "node"}))[
+                        "warm"
+                    ]
+                )
+                cold = await self.ok(c, "create-machine", {"pool": "py"})
+                self.assertFalse(cold["warm"])
+                document = json.loads(
+                    (await c.read_resource(smol_mcp.POOLS_URI))
+                    .contents[0]
+                    .text
+                )
+                await self.ok(c, "list-machines", {})
+        reason = (
+            "could not be made: the engine already has a fork pool named "
+            "'py', made from 'other' rather than smol-pool-py, so it was not "
+            "adopted"
+        )
+        self.assertIn(reason, cold["why"])
+        by_name = {pool["name"]: pool for pool in document["pools"]}
+        self.assertEqual(
+            (by_name["py"]["available"], by_name["py"]["engine"]),
+            (False, None),
+        )
+        self.assertIn(reason, by_name["py"]["reason"])
+        self.assertTrue(by_name["node"]["available"])
+        self.assertEqual(
+            [line for line in logged.output if "warm pool py" in line][:1],
+            [
+                f"WARNING:smol_mcp:warm pool py {reason}; rename the pool in "
+                "warmPools, or delete that pool on the engine"
+            ],
+        )
+        # doctor, a process of its own: what was noted, and nothing made.
+        start = len(self.fake.requests)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await asyncio.to_thread(smol_mcp.doctor, SmolMcp(self.config))
+        self.assertIn(
+            f"warm pool py (alpine): not available: {reason}", out.getvalue()
+        )
+        self.assertIn(
+            "warm pool node (alpine): 1 ready, 0 booting, 0 leased",
+            out.getvalue(),
+        )
+        self.assertEqual(
+            [r for r in self.journal_from(start) if r[0] != "GET"], []
+        )
+
+
+class WarmPoolBootFailureTests(WarmPoolCase):
+    """A pool whose source cannot boot: reported, its source deleted, the
+    other tools unaffected."""
+
+    fake_options = {"boot": "fail"}
+
+    async def test_a_source_that_does_not_boot_is_deleted_and_reported(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            await wait_until(
+                lambda: (
+                    "could not be made"
+                    in (self.app.pools.unavailable("py") or "")
+                ),
+                30,
+                "py is reported",
+            )
+            self.assertEqual(
+                (await self.ok(c, "list-machines", {}))["machines"], []
+            )
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+        self.assertIn(
+            "the pool 'py' is not available: could not be made", text
+        )
+        self.assertIn(
+            "and a machine made cold from the pool's spec failed too", text
+        )
+        why = self.app.pools.unavailable("py")
+        self.assertIn("start machine 'smol-pool-py'", why)
+        self.assertNotIn("smol-pool-py", self.fake.machines)
+        self.assertEqual(self.fake._pools, {})
+        noted = json.loads(
+            (Path(self.config.runtime_dir) / smol_mcp.POOLS_FILE).read_text()
+        )
+        self.assertEqual(noted["py"]["available"], False)
+        self.assertIn("could not be made", noted["py"]["reason"])
+
+
+class WarmPoolCloudTests(FakeCloudCase):
+    """The cloud has no pools: pool is refused with the reason."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def test_the_cloud_refuses_pool_saying_why(self):
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+            listed = [str(r.uri) for r in (await c.list_resources()).resources]
+        self.assertIn("create-machine's pool is local only", text)
+        self.assertIn("would bill their storage", text)
+        self.assertEqual([r for r in self.cloud.requests if r[0] != "GET"], [])
+        self.assertNotIn(smol_mcp.POOLS_URI, listed)
+        self.assertEqual(self.fake.requests, [])
+
+
+class WarmPoolAccessTests(HttpCase):
+    """Over HTTP with named tokens: a pooled machine is its token's (a
+    sandbox token sees only its own), and each token holds at most its
+    share of a pool."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        self.secrets = {}
+        for name, scopes in (
+            ("a", SANDBOX),
+            ("b", SANDBOX),
+            ("x", "machines.exec"),
+        ):
+            _, self.secrets[name] = store.create(
+                name, smol_mcp.parse_scopes(scopes), ("local",), "none"
+            )
+
+    def as_token(self, name, mode="legacy"):
+        return self.http_client(
+            mode, headers={"Authorization": f"Bearer {self.secrets[name]}"}
+        )
+
+    async def test_a_pooled_machine_is_its_tokens_within_its_share(self):
+        async with self.as_token("a") as a, self.as_token("b") as b:
+            await self.ok(a, "list-machines", {})
+            await wait_until(
+                lambda: self.app.pools.unavailable("py") is None, 30, "made"
+            )
+            await wait_until(
+                lambda: (
+                    json.loads(
+                        send_raw(self.socket_path, "GET", "/api/v1/pools/py")[
+                            2
+                        ]
+                    )["ready"]
+                    == 2
+                ),
+                10,
+                "the pool is full",
+            )
+            mine = await self.ok(a, "create-machine", {"pool": "py"})
+            name = mine["machine"]["name"]
+            self.assertTrue(mine["warm"])
+            self.assertEqual(self.app.access.owners.owner("local", name), "a")
+            # Past its share (half of 2): cold, and why; b still gets warm.
+            over = await self.ok(a, "create-machine", {"pool": "py"})
+            self.assertFalse(over["warm"])
+            self.assertIn(
+                "the token 'a' holds 1 machine(s) of the pool 'py' already,"
+                " its share at once",
+                over["why"],
+            )
+            theirs = await self.ok(b, "create-machine", {"pool": "py"})
+            self.assertTrue(theirs["warm"])
+            # A key of its own: another call never gets the same lease.
+            self.assertNotEqual(theirs["machine"]["name"], name)
+            text = await self.refused(b, "get-machine", {"name": name})
+            self.assertIn("not found", text)
+            text = await self.refused(b, "delete-machine", {"name": name})
+            self.assertIn("not found", text)
+            self.assertIsNotNone(self.app.local.leases.get(name))
+            ran = await self.ok(
+                a, "run-command", {"name": name, "command": "true"}
+            )
+            self.assertEqual(ran["exitCode"], 0)
+            seen = await self.ok(a, "list-machines", {})
+            self.assertEqual(
+                sorted(m["name"] for m in seen["machines"]),
+                sorted([name, over["machine"]["name"]]),
+            )
+            await self.ok(a, "delete-machine", {"name": name})
+            again = await self.ok(a, "create-machine", {"pool": "py"})
+            self.assertTrue(again["warm"])
+        async with self.as_token("x") as x:
+            text = await self.refused(x, "create-machine", {"pool": "py"})
+            self.assertIn("scope_missing: create-machine needs", text)
+            listed = [str(r.uri) for r in (await x.list_resources()).resources]
+            self.assertNotIn(smol_mcp.POOLS_URI, listed)
+            with self.assertRaises(MCPError) as refused:
+                await x.read_resource(smol_mcp.POOLS_URI)
+            self.assertIn("scope_missing", str(refused.exception))
+
+
 @unittest.skipUnless(
     busybox_guest(), "the fake guest needs busybox-static and root or unshare"
 )
@@ -13480,6 +14972,26 @@ def tools_granted(scopes) -> list[str]:
     return tools_at(*levels)
 
 
+class ScopeLevelGrowthTests(unittest.TestCase):
+    """A scope level is one word in SCOPE_LEVELS: the scopes, the presets
+    and the consent page's grants that carry every level take it."""
+
+    def test_every_level_reaches_the_grants_and_presets(self):
+        full = set(smol_mcp.GRANTS["Full"])
+        sandbox = set(smol_mcp.GRANTS["Sandbox"])
+        preset = set(smol_mcp.SCOPE_PRESETS["sandbox"].split(","))
+        for level in smol_mcp.SCOPE_LEVELS:
+            with self.subTest(level=level):
+                self.assertIn(f"machines.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"sandbox.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"machines.{level}", full)
+                self.assertIn(f"sandbox.{level}", sandbox)
+                self.assertIn(f"sandbox.{level}", preset)
+        # the sandbox grants see only their own machines: nothing wider
+        self.assertTrue(all(s.startswith("sandbox.") for s in sandbox))
+        self.assertTrue(all(s.startswith("sandbox.") for s in preset))
+
+
 class AccessPiecesTests(unittest.TestCase):
     def test_scope_table_covers_every_tool_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
@@ -13644,7 +15156,10 @@ class ReservedTokenNameTests(unittest.TestCase):
                     smol_mcp.ConfigError, "cannot be a token name"
                 ):
                     store.create(
-                        name, ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+                        name,
+                        ("machines.read",),
+                        tuple(smol_mcp.FLEETS),
+                        "none",
                     )
             self.assertEqual(store.records(), [])
 
@@ -14148,7 +15663,7 @@ class AgentAccessHttpTests(HttpCase):
                 _, self.secrets["gone"] = self.store.create(
                     "gone",
                     smol_mcp.parse_scopes(SANDBOX),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                 )
                 async with self.as_token("gone", mode) as c:
@@ -14320,7 +15835,7 @@ class PlainApiTests(HttpCase):
             self.secrets[name] = self.store.create(
                 name,
                 smol_mcp.parse_scopes(scopes),
-                smol_mcp.FLEET_NAMES,
+                tuple(smol_mcp.FLEETS),
                 "none",
             )[1]
 
@@ -14478,7 +15993,7 @@ class PlainApiTests(HttpCase):
         _, secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
         self.secrets["held"] = secret
@@ -15007,7 +16522,7 @@ class OAuthTests(OAuthCase):
         record, _ = self.store.create(
             "raced",
             ("machines.read",),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "none",
             clientId="c",
         )
@@ -15404,7 +16919,7 @@ class OAuthTests(OAuthCase):
                 self.store.create(
                     f"g{client_id[:8]}",
                     ("machines.read",),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                     clientId=client_id,
                 )
@@ -16295,7 +17810,7 @@ class BodyShareTests(FrontCase):
         self,
     ):
         other = self.store.create(
-            "other", ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+            "other", ("machines.read",), tuple(smol_mcp.FLEETS), "none"
         )[1]
         share = smol_mcp.HTTP_BODIES_PER_CALLER
         held = self.held(share, "/mcp", self.token_headers())
@@ -16530,7 +18045,7 @@ class TrustedProxyTests(FrontCase):
         self.assertIn(
             "trustedProxies (SMOL_MCP_TRUSTED_PROXIES)", str(caught.exception)
         )
-        self.assertIn("SMOL_MCP_TRUSTED_PROXIES", smol_mcp.HELP_EPILOG)
+        self.assertIn("SMOL_MCP_TRUSTED_PROXIES", smol_mcp.help_epilog())
 
 
 class ConsentShareTests(FrontCase):
@@ -18757,7 +20272,7 @@ class ApprovalHttpTests(HttpCase):
         _, self.secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage,machines.read"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
 
@@ -18788,7 +20303,7 @@ class ApprovalHttpTests(HttpCase):
                 _, self.secret = self.store.create(
                     "held",
                     smol_mcp.parse_scopes("machines.manage,machines.read"),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "changes",
                 )
 
@@ -18903,7 +20418,7 @@ class ConsoleBrowserTests(HttpCase):
             "machines.manage,machines.read,machines.exec"
         )
         self.held = self.store.create(
-            "held", scopes, smol_mcp.FLEET_NAMES, "changes"
+            "held", scopes, tuple(smol_mcp.FLEETS), "changes"
         )[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
@@ -19091,7 +20606,11 @@ class ConsoleBrowserTests(HttpCase):
         )  # "default"
         scopes = smol_mcp.parse_scopes("machines.read")
         self.store.create(
-            "granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude"
+            "granted",
+            scopes,
+            tuple(smol_mcp.FLEETS),
+            "none",
+            client="<b>Claude",
         )
         await (
             page.reload()
@@ -19986,8 +21505,8 @@ class LocalSavedStateTests(SavedStateScenarios, FakeServeCase):
                 with self.subTest(tool=tool):
                     text = await self.refused(c, tool, args)
                     self.assertIn(
-                        'names starting with "smol-" are kept for this '
-                        "server's own machines",
+                        "is a name this server keeps for its own machines "
+                        "(every name starting with smol-",
                         text,
                     )
             self.assertEqual(len(self.fake.requests), before)

@@ -29,7 +29,9 @@ printed for information only. The floors:
   same request made straight to the same API socket with http.client on a
   kept-alive connection, as smol_mcp keeps one per worker thread; what is left
   is smol-mcp's own share (a connection-per-request floor is printed too);
-- output and paging: the same exec or file download made straight to the API.
+- output and paging: the same exec or file download made straight to the API;
+- warm pools: a cold create from the same image, and the engine's own lease
+  time, which create-machine {pool} reports as readyMs.
 
 The clients are deliberately lean (JSON-RPC lines on the stdio pipes, JSON
 POSTs on one keep-alive http.client connection) so that what is measured is
@@ -1575,7 +1577,122 @@ class Bench:
         time.sleep(0.5)
         return thread, holder
 
-    # -- 6. many agents at once, against the bare SDK server -----------------
+    # -- 6. warm pools --------------------------------------------------------
+
+    def bench_pool(self) -> None:
+        """create-machine from a warm pool to the first command's result,
+        beside a cold create from the same image; and smol-mcp's own time
+        on top of the engine's lease answer, which the result reports as
+        readyMs (the server's measure around that one request)."""
+        if not self.can_exec:
+            self.row("pool: create-machine {pool}", "-", "-", "-", "-", "SKIP")
+            return
+        rounds = 20 if self.quick else 60
+        log(f"pool: {rounds} pooled creates and {rounds // 4} cold ones")
+        config = Path(self.tmp) / "pools.json"
+        pool = {"image": "alpine", "ready": 2}
+        config.write_text(json.dumps({"warmPools": {"bench": pool}}))
+        env = self.server_env(SMOL_MCP_CONFIG=str(config))
+        argv = self.server_argv()
+        peer = StdioPeer(argv, env, f"{self.tmp}/pool.log", cwd=ROOT)
+        # The floor: the bare SDK server's round trip, beside each create.
+        sdk = self.spawn_minimal_stdio()
+        try:
+            peer.initialize()
+            sdk.initialize()
+            # The first local call makes the pool, in the background.
+            peer.call("list-machines", {})
+            self.wait_for_pool("bench", pool["ready"])
+            warm = self.pool_rounds(peer, sdk, {"pool": "bench"}, rounds)
+            cold = self.pool_rounds(
+                peer, sdk, {"image": "alpine"}, rounds // 4
+            )
+        finally:
+            peer.close()
+            sdk.close()
+        self.pool_rows(warm, cold)
+
+    def wait_for_pool(self, name: str, ready: int) -> None:
+        """Return once the engine's pool ``name`` has ``ready`` workers;
+        raise RuntimeError after 120 s."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status, answer = self.api.call("GET", f"/api/v1/pools/{name}")
+            if status == 200 and answer.get("ready", 0) >= ready:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the pool {name} was not made within 120 s")
+
+    def pool_rounds(self, peer, sdk, create: dict, rounds: int) -> dict:
+        """Each round's create, its first command, the engine's lease time
+        (readyMs) and the bare SDK server's round trip, in seconds. A
+        pooled create that came back cold is counted apart."""
+        taken = {"create": [], "first": [], "engine": [], "sdk": []}
+        taken["cold"] = 0
+        for _ in range(rounds):
+            started = time.perf_counter()
+            sdk.call("echo", {"text": "x"})
+            taken["sdk"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            created = peer.call("create-machine", create)
+            made = time.perf_counter()
+            name = created["machine"]["name"]
+            peer.call("run-command", {"name": name, "command": "true"})
+            ran = time.perf_counter()
+            peer.call("delete-machine", {"name": name})
+            if "pool" in create and not created.get("warm"):
+                taken["cold"] += 1
+                taken["sdk"].pop()
+                log(f"  a pooled create came back cold: {created['why']}")
+                self.wait_for_pool(create["pool"], 1)
+                continue
+            taken["create"].append(made - started)
+            taken["first"].append(ran - started)
+            taken["engine"].append(created.get("readyMs", 0) / 1000)
+            if "pool" in create:
+                # The engine refills the pool: the next round finds it full.
+                self.wait_for_pool(create["pool"], 2)
+        return taken
+
+    def pool_rows(self, warm: dict, cold: dict) -> None:
+        """Add the warm pool rows: the way to a first command, warm and
+        cold, and smol-mcp's share on top of the lease."""
+        first = median(warm["first"])
+        cold_first = median(cold["first"])
+        self.row(
+            f"pool: create-machine {{pool}} to the first command's result,"
+            f" median of {len(warm['first'])}",
+            ms(first),
+            f"{ms(cold_first)} cold",
+            f"{first / cold_first:.2f}x the cold create",
+            "-",
+            "INFO",
+        )
+        self.row(
+            "pool: a cold create-machine {image} to the first command's"
+            f" result, median of {len(cold['first'])}",
+            ms(cold_first),
+            "-",
+            "-",
+            "-",
+            "INFO",
+        )
+        # What the server adds to the lease: the call less readyMs and the
+        # bare SDK server's round trip (own_share, as per call).
+        own = own_share(warm["create"], warm["sdk"], warm["engine"])
+        limit = 0.005
+        self.row(
+            "pool: create-machine {pool}, smol-mcp's time on top of the"
+            " engine's lease, median of (call - SDK - readyMs)",
+            f"{own * 1000:+.2f} ms",
+            f"{ms(median(warm['engine']))} readyMs,"
+            f" {ms(median(warm['sdk']))} SDK",
+            f"{warm['cold']} of the pooled creates came back cold",
+            f"<= +{limit * 1000:.1f} ms",
+            self.check(own <= limit and not warm["cold"]),
+        )
+
+    # -- 7. many agents at once, against the bare SDK server -----------------
 
     def bench_throughput(self) -> None:
         """THROUGHPUT_SESSIONS agents over HTTP calling at once, each era,
@@ -1817,6 +1934,7 @@ SECTIONS = [
     "output",
     "paging",
     "concurrency",
+    "pool",
     "throughput",
 ]
 

@@ -2600,6 +2600,16 @@ BOOT_LINES = [
     "smolvm-agent: ready",
 ]
 
+# The routes about pools and leases: a request to one lets the pools fill.
+POOL_ROUTES = (
+    "pools",
+    "pool",
+    "pool_size",
+    "leases",
+    "lease",
+    "lease_heartbeat",
+    "lease_complete",
+)
 ROUTE_METHODS = {
     "health": "GET,HEAD",
     "machines": "GET,HEAD,POST",
@@ -3141,10 +3151,10 @@ class FakeSmolvm:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = None
+        route, params = self._route(path)
         with self._lock:
             self.requests.append((method, target, parsed))
-            self._tick_pools()
-        route, params = self._route(path)
+            self._tick_pools(make=route in POOL_ROUTES)
         if route is None:
             return empty_404()
         allowed = ROUTE_METHODS[route].split(",")
@@ -4513,15 +4523,20 @@ class FakeSmolvm:
             if lease["pool"] == pool_name and lease["state"] == "active"
         ]
 
-    def _tick_pools(self):
+    def _tick_pools(self, make=True):
         """What the engine does in the background, done when the fake is
-        next asked anything: expire leases past their expiry, turn workers
-        that are due into ready ones, top pools up to desiredReady."""
+        next asked anything: expire leases past their expiry; and, asked
+        about a pool (``make``), turn workers that are due into ready
+        ones and top pools up to desiredReady. [assumption] The engine
+        refills in the background, so a request about something else
+        never waits while a worker is made: nor does the fake's."""
         now = time.time()
         for lease in self._leases.values():
             if lease["state"] == "active" and now >= lease["expiresAt"]:
                 lease["state"] = "expired"
                 self._delete_one(lease["machine"])
+        if not make:
+            return
         for pool in list(self._pools.values()):
             self._fill(pool, now)
 
