@@ -2031,7 +2031,7 @@ class QuickReaderTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(self.reader.MAX_IDLE, 8)
         self.reader.close_idle()
         self.assertEqual(self.reader.idle, [])
-        self.assertEqual([sock.fileno() for sock in kept], [-1] * 8)
+        self.assertEqual([c.transport.is_closing() for c in kept], [True] * 8)
 
     async def test_stop_serve_closes_the_kept_sockets_on_a_new_list(self):
         fleet = self.fleet()
@@ -2045,7 +2045,7 @@ class QuickReaderTests(unittest.IsolatedAsyncioTestCase):
         fleet.stop_serve()
         self.assertIsNot(fleet._quick_reader.idle, kept)
         self.assertEqual(fleet._quick_reader.idle, [])
-        self.assertEqual(kept[0].fileno(), -1)
+        self.assertTrue(kept[0].transport.is_closing())
 
     async def test_a_serve_not_started_or_not_listening_goes_the_blocking_way(
         self,

@@ -12,6 +12,12 @@ One low-level ``Server`` with one trivial tool (``echo``), served over stdio
 (default) or, with ``--http PORT``, over Streamable HTTP in JSON mode on
 uvicorn, the way smol_mcp.py serves it (minus the token gate and its tools).
 Whatever smol-mcp costs beyond this is smol-mcp's own.
+
+``--http PORT --processes N`` serves from N processes that accept on one
+listening socket (forked after it is bound): what more than one core gives
+the bare SDK, for the 2026-07-28 era, whose requests need no session. A
+handshake-era session lives in the process that opened it, and a client's
+keep-alive connection stays with the process that accepted it.
 """
 
 from __future__ import annotations
@@ -61,7 +67,45 @@ async def run_stdio() -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-async def run_http(port: int) -> None:
+def listen(port: int):
+    """Return the listening socket of --http (TCP_NODELAY, as uvicorn's)."""
+    import socket
+
+    listening = socket.socket(
+        socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listening.bind(("127.0.0.1", port))
+    listening.listen(2048)
+    return listening
+
+
+def serve_processes(port: int, processes: int) -> None:
+    """Serve --http from ``processes`` processes on one socket.
+
+    The first is this one; the others are forked children, stopped with
+    it (SIGTERM to each).
+    """
+    import os
+    import signal
+
+    listening = listen(port)
+    children = []
+    for _ in range(processes - 1):
+        pid = os.fork()
+        if pid == 0:
+            anyio.run(run_http, listening)
+            os._exit(0)
+        children.append(pid)
+    try:
+        anyio.run(run_http, listening)
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
+
+
+async def run_http(listening) -> None:
     from contextlib import asynccontextmanager
 
     import uvicorn
@@ -85,17 +129,18 @@ async def run_http(port: int) -> None:
     )
     config = uvicorn.Config(
         app,
-        host="127.0.0.1",
-        port=port,
         lifespan="on",
         log_level="warning",
         timeout_graceful_shutdown=2,
     )
-    await uvicorn.Server(config).serve()
+    await uvicorn.Server(config).serve(sockets=[listening])
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--http":
-        anyio.run(run_http, int(sys.argv[2]))
+    if len(sys.argv) in (3, 5) and sys.argv[1] == "--http":
+        processes = 1
+        if len(sys.argv) == 5 and sys.argv[3] == "--processes":
+            processes = int(sys.argv[4])
+        serve_processes(int(sys.argv[2]), processes)
     else:
         anyio.run(run_stdio)
