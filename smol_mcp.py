@@ -223,6 +223,9 @@ class Config:
     http_path: str = setting_field("/mcp", example="/smol/mcp")
     auth_token: str = setting_field("", kind="secret", example="a-secret")
     http_session_idle_secs: int = setting_field(1800, minimum=1, example=60)
+    # A 2026-era client over HTTP cannot say it left: this bounds how long
+    # its token's state outlives its last request.
+    http_stateless_idle_secs: int = setting_field(300, minimum=1, example=60)
     http_allowed_hosts: tuple[str, ...] = setting_field(
         (), example=["mcp.example.com"]
     )
@@ -6178,9 +6181,11 @@ class Call:
         self._last_progress = done
         try:
             token = self.progress_token()
-            if self.ctx.request is not None and token is not None:
-                # A plain-JSON HTTP reply carries no notifications: these
-                # ride the GET stream.
+            over_http = self.ctx.request is not None and token is not None
+            if over_http and not modern(self.ctx):
+                # A handshake-era plain-JSON reply carries no
+                # notifications: these ride the session's GET stream. (A
+                # 2026-era one's ride its own answer's event stream.)
                 await self.ctx.session.send_progress_notification(
                     token, done, total, message
                 )
@@ -9607,8 +9612,10 @@ class Session:
         self.question_lock = anyio.Lock()
         # uri -> its poller's CancelScope (handshake era).
         self.subscriptions: dict[str, Any] = {}
-        # For the HTTP idle timeout.
+        # For the HTTP idle timeout: calls being served, and (2026 era)
+        # subscriptions/listen streams open.
         self.in_flight = 0
+        self.listening = 0
         self.last_seen = time.monotonic()
         # Over HTTP: the token that opened it.
         self.principal: Principal | None = None
@@ -11687,6 +11694,12 @@ def dual_era_server_class() -> type:
     return DualEraServer
 
 
+@asynccontextmanager
+async def no_lifespan(server: Any):
+    """The lifespan of a server whose process's lifespan another's runs."""
+    yield {}
+
+
 def no_header_schema(name: str) -> None:
     """The SDK's lookup of a tool's schema for Mcp-Param-* headers: none,
     as no tool declares x-mcp-header (a test holds that), so there is
@@ -11738,12 +11751,17 @@ class SmolMcp:
         self.polling: dict[str, int] = {}
         self.approvals = Approvals(self)
         self.resources = Resources(self)
-        self.server = dual_era_server_class()(
+        self.server = self.mcp_server(self.lifespan)
+
+    def mcp_server(self, lifespan: Callable) -> Any:
+        """The SDK's low-level server of this process's handlers, with
+        ``lifespan``."""
+        return dual_era_server_class()(
             "smol-mcp",
             version=__version__,
             title="smol machines",
             instructions=server_instructions(self),
-            lifespan=self.lifespan,
+            lifespan=lifespan,
             get_tool_input_schema=no_header_schema,
             on_list_tools=self.on_list_tools,
             on_call_tool=self.call_tool,
@@ -13553,15 +13571,14 @@ class HttpGate:
         self,
         app: SmolMcp,
         lifespan_app: Any,
-        mcp_app: Any,
+        mcp_endpoint: McpEndpoint,
         allowed_hosts: list[str] | None,
         public_app: Any,
     ):
-        # The ASGI app that runs the SDK's lifespan, and the SDK's own for
-        # the MCP path.
+        # The ASGI app that runs the SDK's lifespan; the MCP path's.
         self.lifespan_app = lifespan_app
         self.access = app.access
-        self.mcp_endpoint = McpEndpoint(app.http, mcp_app)
+        self.mcp_endpoint = mcp_endpoint
         self.plain_api = PlainApi(app)
         self.pages = app.pages
         self.mcp_path = app.http.path
@@ -13791,10 +13808,10 @@ def json_body(body: bytes, *path: str) -> Any:
         return None
 
 
-def request_methods(body: bytes) -> list:
-    """The methods of a body's JSON-RPC requests, not its notifications
-    or answers (the body is read once); raise JsonRefused for a body that
-    strict JSON refuses (the SDK would read it)."""
+def body_requests(body: bytes) -> list[dict]:
+    """A body's JSON-RPC requests (each with a method and an id), not its
+    notifications or answers (the body is read once); raise JsonRefused
+    for a body that strict JSON refuses (the SDK would read it)."""
     try:
         message = strict_json(body)
     except JsonRefused:
@@ -13806,12 +13823,24 @@ def request_methods(body: bytes) -> list:
     if not isinstance(message, list):
         messages = [message]
     return [
-        m["method"]
+        m
         for m in messages
         if isinstance(m, dict)
         and isinstance(m.get("method"), str)
         and isinstance(m.get("id"), (str, int))
     ]
+
+
+def asks_progress(request: dict) -> bool:
+    """Whether a JSON-RPC request is a tool call that gave a progress
+    token (its client takes live output)."""
+    if request["method"] != "tools/call":
+        return False
+    params = request.get("params")
+    if not isinstance(params, dict):
+        return False
+    meta = params.get("_meta")
+    return isinstance(meta, dict) and "progressToken" in meta
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
@@ -14181,12 +14210,14 @@ class HttpSessions:
         return scope
 
     async def reap_idle(self) -> None:
-        """End the idle sessions, every quarter of the idle time (30 s at
-        most)."""
+        """End the idle sessions, every quarter of the shorter idle time
+        (30 s at most)."""
+        config = self.app.config
+        shorter = min(
+            config.http_session_idle_secs, config.http_stateless_idle_secs
+        )
         while True:
-            await anyio.sleep(
-                min(self.app.config.http_session_idle_secs / 4, 30)
-            )
+            await anyio.sleep(min(shorter / 4, 30))
             # The reaper must outlive any one session's trouble.
             try:
                 await self.end_idle()
@@ -14283,16 +14314,10 @@ class HttpSessions:
             await self.drop(session)
 
     async def end_idle(self) -> None:
-        """End every session with no request in flight and none for
-        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a
-        call), whatever streams it holds open."""
-        idle = self.app.config.http_session_idle_secs
+        """End every session with no request in flight and none for its
+        idle limit (idle_limit), whatever GET streams it holds open."""
         for session in [*self.by_principal.values(), *self.by_id.values()]:
-            limit = idle
-            why = "idle"
-            if not session.used:
-                limit = min(idle, HTTP_UNUSED_SESSION_SECS)
-                why = "unused"
+            limit, why = self.idle_limit(session)
             quiet = time.monotonic() - session.last_seen
             if session.in_flight or quiet < limit:
                 continue
@@ -14300,6 +14325,22 @@ class HttpSessions:
                 "session %s %s for %d s: ending it", session.id, why, limit
             )
             await self.drop(session)
+
+    def idle_limit(self, session: Session) -> tuple[int, str]:
+        """How long ``session`` may be idle, and the word for why it ends.
+        httpSessionIdleSecs, or less: HTTP_UNUSED_SESSION_SECS for one that
+        never made a call; a 2026-era token's, whose client cannot say it
+        left, httpStatelessIdleSecs unless it holds a listen stream open."""
+        config = self.app.config
+        limit = config.http_session_idle_secs
+        why = "idle"
+        stateless = session.http_id is None
+        if stateless and not session.listening:
+            limit = min(limit, config.http_stateless_idle_secs)
+        if not session.used:
+            limit = min(limit, HTTP_UNUSED_SESSION_SECS)
+            why = "unused"
+        return limit, why
 
     async def drop(self, session: Session) -> None:
         """Forget a session and end it; a handshake-era one first through
@@ -14339,9 +14380,16 @@ class McpEndpoint:
     books of HttpSessions as it passes (sessions opened and ended, calls
     in flight, the client that hung up, the shutdown)."""
 
-    def __init__(self, sessions: HttpSessions, sdk_app: Any):
+    def __init__(
+        self, sessions: HttpSessions, sdk_app: Any, streaming_app: Any
+    ):
         self.sessions = sessions
+        # The SDK's app answering in plain JSON, and the same in event
+        # stream mode: a 2026-era call that asks for progress goes to the
+        # second, whose answer turns into a stream once there is progress
+        # to carry (a quick call's is plain JSON still).
         self.sdk_app = sdk_app
+        self.streaming_app = streaming_app
 
     async def __call__(
         self, scope: dict, receive: Callable, send: Callable, body: bytes
@@ -14354,15 +14402,16 @@ class McpEndpoint:
         principal = scope["state"]["smol_principal"]
         http_id, version = session_headers(scope["headers"])
         scope["state"]["smol_http_id"] = http_id
-        methods = []
+        requests = []
         if scope["method"] == "POST":
             try:
-                methods = request_methods(body)
+                requests = body_requests(body)
             except JsonRefused as err:
                 # Before the SDK, which reads NaN and Infinity.
                 unread = {"code": -32700, "message": str(err)}
                 answer = {"jsonrpc": "2.0", "id": None, "error": unread}
                 return await send_json(send, 400, answer)
+        methods = [request["method"] for request in requests]
         if "initialize" in methods and not http_id:
             busy = self.over_share(principal)
             if busy is not None:
@@ -14376,10 +14425,16 @@ class McpEndpoint:
             send = watch
         session = self.session_of(principal, http_id, version, methods)
         listening = set(methods) == {"subscriptions/listen"}
-        if session is None or not methods or listening:
-            await self.to_sdk(scope, receive, send, body)
+        sdk_app = self.sdk_app
+        if modern_version(version) and any(map(asks_progress, requests)):
+            if accepts_stream(scope["headers"]):
+                sdk_app = self.streaming_app
+        if session is not None and listening:
+            await self.listen(scope, receive, send, session, body)
+        elif session is None or not methods or listening:
+            await self.to_sdk(scope, receive, send, body, sdk_app)
         else:
-            await self.serve(scope, receive, send, session, body)
+            await self.serve(scope, receive, send, session, body, sdk_app)
         if watch is not None:
             self.settle(scope["method"], principal, http_id, watch)
 
@@ -14455,27 +14510,55 @@ class McpEndpoint:
             )
 
     async def serve(
-        self, scope: dict, receive: Callable, send: Callable, session, body
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        session: Session,
+        body: bytes,
+        sdk_app: Any,
     ) -> None:
         """Serve a POST of calls, in flight meanwhile. No task listens for
         its client hanging up: client_gone asks the connection when a call
         waiting for approval needs to know."""
         session.in_flight += 1
         try:
-            await self.to_sdk(scope, receive, send, body)
+            await self.to_sdk(scope, receive, send, body, sdk_app)
         finally:
             session.in_flight -= 1
             session.last_seen = time.monotonic()
 
-    async def to_sdk(
-        self, scope: dict, receive: Callable, send: Callable, body: bytes
+    async def listen(
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        session: Session,
+        body: bytes,
     ) -> None:
-        """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a
-        POST still served is stopped and answered with a JSON-RPC error
-        saying so, not cut off by a plain-text 500."""
+        """Serve a 2026-era subscriptions/listen stream, counted open
+        meanwhile: its client is still there, whatever it calls."""
+        session.listening += 1
+        try:
+            await self.to_sdk(scope, receive, send, body, self.sdk_app)
+        finally:
+            session.listening -= 1
+            session.last_seen = time.monotonic()
+
+    async def to_sdk(
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        body: bytes,
+        sdk_app: Any,
+    ) -> None:
+        """Hand a request to ``sdk_app``. Once told to stop (SIGTERM,
+        SIGINT), a POST still served is stopped and answered with a
+        JSON-RPC error saying so, not cut off by a plain-text 500."""
         stopping = self.sessions.stopping
         if scope["method"] != "POST" or stopping is None:
-            return await self.sdk_app(scope, receive, send)
+            return await sdk_app(scope, receive, send)
         sent = set()
 
         async def send_watch(message: dict) -> None:
@@ -14489,7 +14572,7 @@ class McpEndpoint:
                 # It came in after the others were stopped.
                 if stopping.is_set():
                     serving.cancel()
-                await self.sdk_app(scope, receive, send_watch)
+                await sdk_app(scope, receive, send_watch)
             finally:
                 self.sessions.serving.discard(serving)
         if stopping.is_set() and "http.response.start" not in sent:
@@ -14507,6 +14590,15 @@ def session_headers(headers: list) -> tuple[str | None, str | None]:
         elif name == b"mcp-protocol-version":
             version = value.decode("latin-1")
     return http_id, version
+
+
+def accepts_stream(headers: list) -> bool:
+    """Whether a request's Accept names text/event-stream (the SDK's event
+    stream mode refuses, 406, a request that does not)."""
+    for name, value in headers:
+        if name == b"accept" and b"text/event-stream" in value:
+            return True
+    return False
 
 
 def modern_version(version: str | None) -> bool:
@@ -14615,20 +14707,40 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         json_response=True,
         session_idle_timeout=config.http_session_idle_secs,
     )
-    # The MCP path goes straight to the manager's app (HttpGate checked the
-    # path): a router and its middleware a request cost more than the rest
-    # of the gate. Starlette runs the lifespan: manager.run enters the
-    # server's lifespan once and ends every session at exit.
-    mcp_app = sdk_http.StreamableHTTPASGIApp(manager)
-    lifespan_app = Starlette(lifespan=lambda _: manager.run())
+    # 2026-era calls that ask for progress only (McpEndpoint): that era
+    # has no stream but the answer's own to carry it. Its server has the
+    # same handlers and no lifespan of its own: the first one's serves.
+    streaming = sdk_http.StreamableHTTPSessionManager(
+        app.mcp_server(no_lifespan),
+        max_request_body_size=HTTP_MAX_BODY_BYTES,
+        max_sessions=HTTP_MAX_SESSIONS,
+        json_response=False,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: Any):
+        # manager.run enters the server's lifespan once and ends every
+        # session at exit.
+        async with manager.run(), streaming.run():
+            yield
+
+    # The MCP path goes straight to the managers' apps (HttpGate checked
+    # the path): a router and its middleware a request cost more than the
+    # rest of the gate. Starlette runs the lifespan.
+    lifespan_app = Starlette(lifespan=lifespan)
     app.http = HttpSessions(app, manager, path)
+    endpoint = McpEndpoint(
+        app.http,
+        sdk_http.StreamableHTTPASGIApp(manager),
+        sdk_http.StreamableHTTPASGIApp(streaming),
+    )
     issuer = oauth_issuer(config, host, port)
     public_app = None
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         public_app = pages_app(app, issuer, path)
     allowed_hosts = default_allowed_hosts(config, host, port)
-    return HttpGate(app, lifespan_app, mcp_app, allowed_hosts, public_app)
+    return HttpGate(app, lifespan_app, endpoint, allowed_hosts, public_app)
 
 
 def pages_app(app: SmolMcp, issuer: str, path: str) -> Any:

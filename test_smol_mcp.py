@@ -6355,6 +6355,193 @@ class HttpSessionTests(HttpCase):
             )
 
 
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class StatelessLiveOutputTests(HttpCase):
+    """A 2026-era client over HTTP that asks for progress gets a command's
+    lines as they come, on its call's own answer: an event stream once
+    there is progress to carry. Every other answer is plain JSON."""
+
+    @contextlib.asynccontextmanager
+    async def watched_client(self, kinds: list):
+        """A 2026-era client; the media type of each POST's answer is
+        appended to ``kinds``."""
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        async def note(response):
+            if response.request.method == "POST":
+                kind = response.headers.get("content-type", "")
+                kinds.append(kind.split(";")[0])
+
+        @contextlib.asynccontextmanager
+        async def transport():
+            async with httpx2.AsyncClient(
+                headers={"Authorization": f"Bearer {HTTP_TOKEN}"},
+                timeout=60,
+                event_hooks={"response": [note]},
+            ) as http:
+                async with streamable_http_client(
+                    self.url, http_client=http
+                ) as streams:
+                    yield streams
+
+        async with Client(transport(), mode="auto") as client:
+            yield client
+
+    async def test_a_commands_lines_reach_a_2026_era_client(self):
+        saved = smol_mcp.PROGRESS_INTERVAL_SECS
+        smol_mcp.PROGRESS_INTERVAL_SECS = 0.3
+        self.addCleanup(setattr, smol_mcp, "PROGRESS_INTERVAL_SECS", saved)
+        seen = []
+        kinds = []
+
+        async def on_progress(progress, total, message):
+            seen.append(message)
+
+        async with self.watched_client(kinds) as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "mcp-live", "image": "alpine", "network": "open"},
+            )
+            created = len(kinds)
+            command = "echo first; sleep 1.5; echo second"
+            answer = await c.call_tool(
+                "run-command",
+                {"name": "mcp-live", "command": command},
+                progress_callback=on_progress,
+            )
+        self.assertFalse(answer.is_error, answer)
+        self.assertEqual(
+            answer.structured_content["stdout"], "first\nsecond\n"
+        )
+        self.assertIn("first", " ".join(seen))
+        self.assertEqual(kinds[created - 1], "application/json")
+        self.assertEqual(kinds[created], "text/event-stream")
+
+    async def test_a_quick_call_that_asks_for_progress_is_plain_json(self):
+        kinds = []
+
+        async def on_progress(progress, total, message):
+            self.fail(f"no progress expected, got {message!r}")
+
+        async with self.watched_client(kinds) as c:
+            listed = await c.call_tool(
+                "list-machines", {}, progress_callback=on_progress
+            )
+        self.assertFalse(listed.is_error, listed)
+        self.assertEqual(kinds[-1], "application/json")
+
+    async def test_a_client_that_takes_only_json_is_answered_in_json(self):
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+            "progressToken": 1,
+        }
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "Authorization": f"Bearer {HTTP_TOKEN}",
+            "Mcp-Protocol-Version": "2026-07-28",
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "list-machines",
+        }
+        params = {"name": "list-machines", "arguments": {}, "_meta": meta}
+        answer = await self.raw(
+            "POST", "/mcp", headers, jsonrpc(5, "tools/call", params)
+        )
+        self.assertEqual(answer.status_code, 200, answer.text)
+        self.assertEqual(answer.headers["content-type"], "application/json")
+        self.assertFalse(answer.json()["result"]["isError"], answer.text)
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class StatelessIdleTests(HttpCase):
+    """A 2026-era client cannot say it left: its token's state, and with it
+    its ephemeral machines, ends httpStatelessIdleSecs after its last
+    request (unless a listen stream of it is open); a handshake-era session
+    keeps httpSessionIdleSecs."""
+
+    async def created(self, mode: str, name: str) -> smol_mcp.Session:
+        """Create ``name`` from a client of ``mode``; return the session
+        that holds it."""
+        async with self.http_client(mode) as c:
+            await self.ok(
+                c, "create-machine", {"name": name, "image": "alpine"}
+            )
+        sessions = self.app.http
+        [session] = [
+            s
+            for s in [
+                *sessions.by_principal.values(),
+                *sessions.by_id.values(),
+            ]
+            if name in s.machines.get("local", set())
+        ]
+        return session
+
+    async def test_the_bound_ends_a_2026_era_tokens_machines(self):
+        self.assertEqual(self.app.config.http_stateless_idle_secs, 300)
+        session = await self.created("auto", "mcp-quiet")
+        session.last_seen = time.monotonic() - 299
+        await self.app.http.end_idle()
+        self.assertIn("mcp-quiet", self.fake.machines)
+        session.last_seen = time.monotonic() - 301
+        await self.app.http.end_idle()
+        self.assertTrue(session.ended)
+        self.assertNotIn("mcp-quiet", self.fake.machines)
+
+    async def test_an_open_listen_stream_holds_it_to_the_longer_bound(self):
+        session = await self.created("auto", "mcp-listens")
+        session.listening = 1
+        session.last_seen = time.monotonic() - 301
+        await self.app.http.end_idle()
+        self.assertIn("mcp-listens", self.fake.machines)
+        idle = self.app.config.http_session_idle_secs
+        session.last_seen = time.monotonic() - idle - 1
+        await self.app.http.end_idle()
+        self.assertNotIn("mcp-listens", self.fake.machines)
+
+    async def test_a_listen_stream_is_counted_while_open(self):
+        async with self.http_client("auto") as c:
+            await self.ok(c, "list-machines", {})
+            [session] = self.app.http.by_principal.values()
+            async with c.listen(tools_list_changed=True):
+                await wait_until(
+                    lambda: session.listening == 1, 10, "the stream counted"
+                )
+            await wait_until(
+                lambda: session.listening == 0, 10, "the stream let go"
+            )
+
+    async def test_a_handshake_era_session_keeps_the_longer_bound(self):
+        async with self.http_client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "mcp-legacy", "image": "alpine"}
+            )
+            [session] = self.app.http.by_id.values()
+            session.last_seen = time.monotonic() - 301
+            await self.app.http.end_idle()
+            self.assertIn("mcp-legacy", self.fake.machines)
+            self.assertFalse(session.ended)
+
+    async def test_the_reaper_looks_at_least_every_quarter_of_the_bound(self):
+        config = dataclasses_replace(
+            self.app.config, http_stateless_idle_secs=8
+        )
+        self.app.config = config
+        slept = []
+
+        async def sleep(seconds):
+            slept.append(seconds)
+            raise asyncio.CancelledError
+
+        with unittest.mock.patch.object(smol_mcp.anyio, "sleep", sleep):
+            with self.assertRaises(asyncio.CancelledError):
+                await self.app.http.reap_idle()
+        self.assertEqual(slept, [2])
+
+
 class HostPortTests(HttpCase):
     async def test_the_host_check_includes_the_port(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
