@@ -6508,12 +6508,14 @@ async def budget_exec(
     timeout: int,
     since: datetime.datetime,
     once: bool,
+    network: str | None = None,
 ) -> dict:
     """The run-command result: each stream within maxOutputBytes, both
     within replyTokens; a stream that did not fit is written whole into
     the machine, its path in ``overflow`` (not by run-once, ``once``,
     whose machine is deleted as it answers); a failure's egress denials
-    too."""
+    too, and the hint of blocked egress (``network``: the machine's
+    egress word when the caller knows it, else read when needed)."""
     limit = call.config.max_output_bytes
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     # A stream longer than twice the byte limit is cut whatever it costs:
@@ -6569,7 +6571,10 @@ async def budget_exec(
                     f"machine at {path} (read it with read-file)"
                 )
         shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
-    return await note_egress_denials(call, name, shaped, since, once)
+    shaped = await note_egress_denials(call, name, shaped, since, once)
+    if "egressHint" in shaped or not failed_on_network(result, shaped):
+        return shaped
+    return await note_blocked_egress(call, name, shaped, once, network)
 
 
 EGRESS_HINT = (
@@ -6663,6 +6668,117 @@ def egress_hint(call: Call, name: str, once: bool) -> str:
     if granting_scope(call.principal, "allow-egress") is None:
         return EGRESS_HINT_NO_SCOPE
     return EGRESS_HINT.format(name=name)
+
+
+# What a command prints when it could not look a name up or reach an
+# address: busybox (wget, nslookup, ping), curl, GNU wget, pip and
+# Python's socket and urllib, npm and Node, git and ssh, apt and apk, Go,
+# Java. Matched only in the last NETWORK_FAILURE_TAIL bytes of a stream,
+# where a failing command says why it stopped, so a word in passing
+# earlier in the output does not count.
+NETWORK_FAILURE_RE = re.compile(
+    "|".join(
+        (
+            "bad address '",
+            "can't resolve",
+            "could(n't| not) resolve",
+            "unable to resolve",
+            "temporary failure (in name resolution|resolving)",
+            "name or service not known",
+            "no address associated with hostname",
+            "nodename nor servname",
+            "failed to lookup address",
+            "network is unreachable",
+            "no route to host",
+            r"\b(ENOTFOUND|EAI_AGAIN|ENETUNREACH|EHOSTUNREACH)\b",
+            "no servers could be reached",
+            "dns lookup error",
+            r"temporary error \(try again later\)",
+            r"lookup \S+( on \S+)?: no such host",
+            "UnknownHostException",
+            "getaddrinfo failed",
+        )
+    ),
+    re.IGNORECASE,
+)
+NETWORK_FAILURE_TAIL = 4096
+EGRESS_BLOCKED = (
+    "The command's output reads like a failed name lookup or connection, "
+    "and this machine's egress is blocked (the default): it reaches no "
+    "host at all."
+)
+EGRESS_BLOCKED_AMEND = (
+    f"{EGRESS_BLOCKED} To let it reach the host it needs, stop-machine, "
+    'then allow-egress {{name: "{name}", hosts: ["<the host name>"]}} '
+    "(once a person confirms), then start-machine; or create a machine "
+    'with network: "open" (or allowHosts).'
+)
+EGRESS_BLOCKED_CREATE = (
+    f"{EGRESS_BLOCKED} This fleet cannot change a machine's egress: "
+    'create a machine with network: "open" (or allowHosts: ["<the host '
+    'name>"]) for the command.'
+)
+EGRESS_BLOCKED_RUN_ONCE = (
+    f"{EGRESS_BLOCKED} That machine is deleted already; run the command "
+    'again with network: "open" (or allowHosts: ["<the host name>"]).'
+)
+EGRESS_BLOCKED_NO_SCOPE = (
+    f"{EGRESS_BLOCKED} Opening it needs the manage scope, which this "
+    "caller does not have: ask the operator for a machine with the egress "
+    'it needs (network: "open" at create, or allow-egress).'
+)
+
+
+def failed_on_network(result: ExecResult, shaped: dict) -> bool:
+    """Return whether a command failed (a non-zero exit or its timeout)
+    and the end of its stdout or stderr reads like a network failure."""
+    if shaped["exitCode"] == 0 and not shaped["timedOut"]:
+        return False
+    for data in (result.stderr, result.stdout):
+        tail = data[-NETWORK_FAILURE_TAIL:].decode("utf-8", "replace")
+        if NETWORK_FAILURE_RE.search(tail):
+            return True
+    return False
+
+
+async def note_blocked_egress(
+    call: Call, name: str, shaped: dict, once: bool, network: str | None
+) -> dict:
+    """Add the egressHint of blocked egress to a command that failed on
+    the network, when its machine's egress is blocked; ``network``: the
+    machine's egress word, read from its record when None (an unreadable
+    record adds nothing)."""
+    if network is None:
+        try:
+            record = await call.api(call.fleet.get_machine, name)
+        except SmolError as err:
+            log.info("could not read the egress of %s: %s", name, err)
+            return shaped
+        network = record["network"]
+    if network != "blocked":
+        return shaped
+    return {**shaped, "egressHint": blocked_egress_hint(call, name, once)}
+
+
+def blocked_egress_hint(call: Call, name: str, once: bool) -> str:
+    """The egressHint of a blocked machine's network failure: run again
+    (run-once), amend (allow-egress, local), create anew (cloud), or ask
+    the operator."""
+    if once:
+        return EGRESS_BLOCKED_RUN_ONCE
+    if granting_scope(call.principal, "allow-egress") is None:
+        return EGRESS_BLOCKED_NO_SCOPE
+    if call.fleet.amends_egress:
+        return EGRESS_BLOCKED_AMEND.format(name=name)
+    return EGRESS_BLOCKED_CREATE
+
+
+def spec_egress(spec: MachineSpec) -> str:
+    """A create request's egress in the shared vocabulary (open, blocked,
+    allowlist), as the machine's record will read."""
+    if spec.allow_hosts or spec.allow_cidrs:
+        return "allowlist"
+    return spec.network
 
 
 ARG_NAME_ONLY = _input("name", name=ARG_NAME)
@@ -7683,7 +7799,13 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             call, name, command_argv(args["command"]), **options
         )
         shaped = await budget_exec(
-            call, name, result, options["timeout_secs"], since, once=True
+            call,
+            name,
+            result,
+            options["timeout_secs"],
+            since,
+            once=True,
+            network=spec_egress(spec),
         )
         return {**shaped, "startedMachine": False, "name": name}
     finally:

@@ -5451,6 +5451,285 @@ def resolving(table: dict, slow: dict | None = None):
     return unittest.mock.patch.object(smol_mcp, "resolve_host", resolve)
 
 
+# The wordings of tools that failed to reach the network, as each prints
+# them when a name does not resolve or no route is there.
+NETWORK_FAILURES = {
+    "busybox wget": "wget: bad address 'pypi.org'",
+    "busybox nslookup": "nslookup: can't resolve 'pypi.org'",
+    "busybox connect": (
+        "wget: can't connect to remote host (151.101.0.223): Network is "
+        "unreachable"
+    ),
+    "curl": "curl: (6) Could not resolve host: pypi.org",
+    "GNU wget": (
+        "wget: unable to resolve host address 'pypi.org'"
+    ),
+    "pip": (
+        "WARNING: Retrying (Retry(total=4, connect=None, read=None, "
+        "redirect=None, status=None)) after connection broken by "
+        "'NewConnectionError('<pip._vendor.urllib3.connection."
+        "HTTPSConnection object at 0x7f>: Failed to establish a new "
+        "connection: [Errno -3] Temporary failure in name resolution')': "
+        "/simple/requests/\n"
+        "ERROR: Could not find a version that satisfies the requirement "
+        "requests (from versions: none)\n"
+        "ERROR: No matching distribution found for requests"
+    ),
+    "npm": (
+        "npm error code ENOTFOUND\n"
+        "npm error syscall getaddrinfo\n"
+        "npm error errno ENOTFOUND\n"
+        "npm error network request to https://registry.npmjs.org/left-pad "
+        "failed, reason: getaddrinfo ENOTFOUND registry.npmjs.org"
+    ),
+    "node EAI_AGAIN": "Error: getaddrinfo EAI_AGAIN example.com",
+    "node ENETUNREACH": "Error: connect ENETUNREACH 93.184.216.34:443",
+    "git": (
+        "fatal: unable to access 'https://github.com/a/b.git/': Could not "
+        "resolve host: github.com"
+    ),
+    "ssh": (
+        "ssh: Could not resolve hostname github.com: Temporary failure in "
+        "name resolution"
+    ),
+    "apt": (
+        "Err:1 http://deb.debian.org/debian bookworm InRelease\n"
+        "  Temporary failure resolving 'deb.debian.org'"
+    ),
+    "apk": (
+        "WARNING: fetching https://dl-cdn.alpinelinux.org/alpine/v3.20/main: "
+        "DNS lookup error\n"
+        "ERROR: unable to select packages:\n  curl (no such package)"
+    ),
+    "old apk": (
+        "fetch https://dl-cdn.alpinelinux.org/alpine/v3.18/main/x86_64/"
+        "APKINDEX.tar.gz\nERROR: https://dl-cdn.alpinelinux.org/alpine/"
+        "v3.18/main: temporary error (try again later)"
+    ),
+    "python socket.gaierror": (
+        "socket.gaierror: [Errno -2] Name or service not known"
+    ),
+    "python urllib": (
+        "urllib.error.URLError: <urlopen error [Errno -3] Temporary "
+        "failure in name resolution>"
+    ),
+    "python no address": (
+        "socket.gaierror: [Errno -5] No address associated with hostname"
+    ),
+    "python unreachable": "OSError: [Errno 101] Network is unreachable",
+    "no route": "curl: (7) Failed to connect to 1.1.1.1 port 80: No route to host",
+    "go": (
+        'Get "https://proxy.golang.org/": dial tcp: lookup '
+        "proxy.golang.org on 10.0.2.3:53: no such host"
+    ),
+    "java": "java.net.UnknownHostException: repo.maven.apache.org",
+    "rust": (
+        "error: failed to download from `https://index.crates.io/`: "
+        "[6] Couldn't resolve host name (Could not resolve host: "
+        "index.crates.io)"
+    ),
+    "dig": ";; connection timed out; no servers could be reached",
+}
+
+
+def failed_result(stderr: str, stdout: str = "", code: int = 1):
+    return smol_mcp.ExecResult(code, stdout.encode(), stderr.encode(), 0.1)
+
+
+def shaped_of(result, timed_out: bool = False) -> dict:
+    return {"exitCode": result.exit_code, "timedOut": timed_out}
+
+
+class NetworkFailureWordingTests(unittest.TestCase):
+    """Which output reads like a network failure: the tail of a failed
+    command's stream, in the words each tool prints."""
+
+    def test_every_tools_wording_reads_as_a_network_failure(self):
+        for tool, text in NETWORK_FAILURES.items():
+            with self.subTest(tool=tool):
+                result = failed_result(text)
+                self.assertTrue(
+                    smol_mcp.failed_on_network(result, shaped_of(result))
+                )
+                # on stdout too (a tool that writes its errors there)
+                result = failed_result("", stdout=text)
+                self.assertTrue(
+                    smol_mcp.failed_on_network(result, shaped_of(result))
+                )
+
+    def test_a_success_never_reads_as_a_network_failure(self):
+        result = failed_result(NETWORK_FAILURES["curl"], code=0)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+        # a timeout does, whatever its exit code
+        self.assertTrue(
+            smol_mcp.failed_on_network(result, shaped_of(result, True))
+        )
+
+    def test_a_word_in_passing_is_not_a_failure(self):
+        passing = (
+            "checking network settings... ok\n"
+            "resolving dependencies (no network needed)\n"
+            "test_dns_lookup_is_mocked ... ok\n"
+            "FAILED tests/test_math.py::test_add - assert 1 == 2\n"
+        )
+        result = failed_result(passing)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+
+    def test_only_the_tail_of_a_stream_is_read(self):
+        early = NETWORK_FAILURES["busybox wget"] + "\n"
+        later = "x" * smol_mcp.NETWORK_FAILURE_TAIL
+        result = failed_result(early + later)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+        result = failed_result(later + early)
+        self.assertTrue(smol_mcp.failed_on_network(result, shaped_of(result)))
+
+
+class BlockedEgressHintTests(FakeServeCase):
+    """A failed command whose output reads like a network failure, on a
+    machine whose egress is blocked, says so in egressHint and names what
+    opens it; nothing is said on open egress."""
+
+    fail = "echo \"wget: bad address 'pypi.org'\" >&2; exit 1"
+
+    async def test_a_blocked_machine_says_egress_is_blocked(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                name = f"blk-{mode}"
+                async with self.client(mode) as c:
+                    await self.ok(
+                        c, "create-machine", {"name": name, "image": "alpine"}
+                    )
+                    # the guest's own wget, with no route to a name server
+                    ran = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": name,
+                            "command": "wget -q -O - http://pypi.org/",
+                        },
+                    )
+                self.assertNotEqual(ran["exitCode"], 0, ran)
+                self.assertNotIn("egressDenied", ran)
+                hint = ran["egressHint"]
+                self.assertIn("egress is blocked", hint)
+                self.assertIn(
+                    f'allow-egress {{name: "{name}", hosts:', hint
+                )
+                self.assertIn('network: "open"', hint)
+                self.assertIn("stop-machine", hint)
+
+    async def test_open_egress_and_a_clean_exit_get_no_hint(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "opn", "image": "alpine", "network": "open"},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "opn", "command": self.fail}
+            )
+            self.assertEqual(ran["exitCode"], 1)
+            self.assertNotIn("egressHint", ran)
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            ran = await self.ok(
+                c,
+                "run-command",
+                {"name": "blk", "command": self.fail.replace("exit 1", "")},
+            )
+            self.assertEqual(ran["exitCode"], 0)
+            self.assertNotIn("egressHint", ran)
+            # an allow list is not blocked egress: its denials say more
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "lst", "image": "alpine", "allowHosts": ["x.test"]},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "lst", "command": self.fail}
+            )
+            self.assertNotIn("egressHint", ran)
+
+    async def test_the_record_is_read_only_when_the_output_reads_so(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            self.fake.requests.clear()
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": "exit 3"}
+            )
+            self.assertNotIn("egressHint", ran)
+            gets = self.requests_to("/machines/blk", "GET")
+            self.assertEqual(gets, [])
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": self.fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertEqual(len(self.requests_to("/machines/blk", "GET")), 1)
+
+    async def test_run_once_says_to_run_again_with_network_open(self):
+        async with self.client("legacy") as c:
+            ran = await self.ok(
+                c, "run-once", {"image": "alpine", "command": self.fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertIn("run the command again", ran["egressHint"])
+            self.assertIn('network: "open"', ran["egressHint"])
+            ran = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "command": self.fail, "network": "open"},
+            )
+            self.assertNotIn("egressHint", ran)
+
+    async def test_a_caller_without_manage_is_sent_to_the_operator(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            self.app.access.stdio = smol_mcp.Principal(
+                "runner", frozenset({"machines.exec"}), kind="stdio"
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": self.fail}
+            )
+        self.assertIn("ask the operator", ran["egressHint"])
+        self.assertNotIn("allow-egress {", ran["egressHint"])
+
+
+class CloudBlockedEgressHintTests(FakeCloudCase):
+    """The same hint on the cloud, which cannot amend egress: create a
+    machine with network open."""
+
+    async def test_a_blocked_cloud_machine_says_create_with_network_open(self):
+        fail = BlockedEgressHintTests.fail
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "cblk", "image": "alpine"}
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "cblk", "command": fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertIn('network: "open"', ran["egressHint"])
+            self.assertNotIn("allow-egress", ran["egressHint"])
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "copen", "image": "alpine", "network": "open"},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "copen", "command": fail}
+            )
+            self.assertNotIn("egressHint", ran)
+            ran = await self.ok(
+                c, "run-once", {"image": "alpine", "command": fail}
+            )
+            self.assertIn("run the command again", ran["egressHint"])
+
+
 class EgressResolveTests(FakeServeCase):
     """A name added to an allow list is resolved here first (the resolver
     patched: no network), and refused if an answer is a host range."""
