@@ -5469,6 +5469,28 @@ HOST_UNREACHABLE_RE = re.compile(
 BOOT_FAILURE_RE = re.compile(
     "did not become ready|before the agent was ready|KvmOpen"
 )
+# The local engine's refusal of an image reference it cannot parse, or of
+# the registry address in it, at the first start (1.32.2).
+BAD_IMAGE_RE = re.compile(
+    "bad reference: |builder error: invalid "
+    "(port number|IPv6 address|international domain name)"
+)
+BAD_IMAGE_HINT = (
+    "The engine could not read that image reference. One reads "
+    "[registry/][namespace/]name[:tag][@sha256:<64 hex digits>], such as "
+    "alpine, python:3.12-alpine or ghcr.io/owner/name:1.0: letters, "
+    "digits, '.', '_' and '-' in each part, no spaces, and a registry "
+    "(with a dot or a port) first when there are three parts or more. "
+)
+BAD_IMAGE_TRY = (
+    "pull-image {name, image} tries another reference on a local machine "
+    "you have without making a new one. "
+)
+PRIVATE_REGISTRY = (
+    "An image in a private registry also needs credentials the engine "
+    "has: the operator adds them on its host (smolvm config registries "
+    "edit)"
+)
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -6018,6 +6040,8 @@ def explain_start_failure(
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
+    if BAD_IMAGE_RE.search(text):
+        return err.with_hint(BAD_IMAGE_HINT + BAD_IMAGE_TRY + PRIVATE_REGISTRY)
     if network != "open" and "must be pulled" in text:
         # An older engine (1.14 line) refuses a registry image without
         # guest egress.
@@ -8428,7 +8452,13 @@ def state_gone(call: Call, state: str) -> SmolError:
     ),
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
-    pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
+    name = args["name"]
+    try:
+        pulled = await call.api(call.fleet.pull_image, name, args["image"])
+    except ApiError as err:
+        if BAD_IMAGE_RE.search(err.api_message):
+            raise err.with_hint(BAD_IMAGE_HINT + PRIVATE_REGISTRY) from None
+        raise
     return {"image": pulled}
 
 

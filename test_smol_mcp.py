@@ -73,7 +73,10 @@ from mcp.shared import exceptions as mcp_exceptions  # noqa: E402
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
 from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
-from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
+from tests.fakes.fake_smolvm import (  # noqa: E402
+    FakeSmolvm,
+    image_reference_refusal,
+)
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
 # No test asks this host's resolver: a name an allow list adds resolves to
@@ -5461,9 +5464,7 @@ NETWORK_FAILURES = {
         "unreachable"
     ),
     "curl": "curl: (6) Could not resolve host: pypi.org",
-    "GNU wget": (
-        "wget: unable to resolve host address 'pypi.org'"
-    ),
+    "GNU wget": ("wget: unable to resolve host address 'pypi.org'"),
     "pip": (
         "WARNING: Retrying (Retry(total=4, connect=None, read=None, "
         "redirect=None, status=None)) after connection broken by "
@@ -5517,7 +5518,9 @@ NETWORK_FAILURES = {
         "socket.gaierror: [Errno -5] No address associated with hostname"
     ),
     "python unreachable": "OSError: [Errno 101] Network is unreachable",
-    "no route": "curl: (7) Failed to connect to 1.1.1.1 port 80: No route to host",
+    "no route": (
+        "curl: (7) Failed to connect to 1.1.1.1 port 80: No route to host"
+    ),
     "go": (
         'Get "https://proxy.golang.org/": dial tcp: lookup '
         "proxy.golang.org on 10.0.2.3:53: no such host"
@@ -5612,9 +5615,7 @@ class BlockedEgressHintTests(FakeServeCase):
                 self.assertNotIn("egressDenied", ran)
                 hint = ran["egressHint"]
                 self.assertIn("egress is blocked", hint)
-                self.assertIn(
-                    f'allow-egress {{name: "{name}", hosts:', hint
-                )
+                self.assertIn(f'allow-egress {{name: "{name}", hosts:', hint)
                 self.assertIn('network: "open"', hint)
                 self.assertIn("stop-machine", hint)
 
@@ -13409,6 +13410,190 @@ class RealServeEgressRulesIntegration(unittest.TestCase):
         self.assertEqual(self.real[5][1], 422)
 
 
+# Image references the real serve refuses at the first start of a machine
+# created without network (its parse of the reference, then the registry
+# URL built from it), those a create refuses (local sources), and some it
+# accepts and goes on to fetch.
+REFUSED_IMAGES = [
+    "Not An Image!!",
+    "a b",
+    "alpine:",
+    ":tag",
+    "alpine@sha256:short",
+    "",
+    " ",
+    "alpine@sha256:" + "g" * 64,
+    "alpine@sha256:" + "a" * 63,
+    "alpine@sha512:" + "a" * 128,
+    "a@b@c",
+    "alpine:t@g",
+    "x/a/b",
+    "localhost/a/b",
+    "foo.com//x",
+    "foo.com//",
+    "docker.io/",
+    "a/",
+    "x/..",
+    "foo.com/./y",
+    "foo.com/a b//x",
+    "\u00e9",
+    "http://x/y",
+    "x/y:",
+    "@",
+    ":",
+    "a" * 300 + " b",
+    "foo.com:99999/x",
+    "foo.com:abc/x",
+    "[::1:5000/x",
+]
+LOCAL_IMAGES = [
+    "/abs",
+    "./x",
+    "../x",
+    "x.tar",
+    "x.tar.gz",
+    "x.tgz",
+    "-",
+    "file:///abs",
+    "file://",
+    "a:/x",
+]
+ACCEPTED_IMAGES = [
+    "alpine",
+    "UPPER/case",
+    "a" * 300,
+    "python:3.12-alpine",
+    "ghcr.io/o/n:1",
+    "alpine@sha256:" + "a" * 64,
+    "alpine:3@sha256:" + "A" * 64,
+    "foo.com:5000/x",
+    "x.TAR",
+    " alpine",
+    "alpine:t t",
+    "a:b:c",
+    "localhost/x",
+    "[::1]/x",
+]
+
+
+def image_reference_exchange(socket_path: str) -> list:
+    """Each of REFUSED_IMAGES and LOCAL_IMAGES created (blocked, and with
+    an allow list) and started on a serve: (request, status, content
+    type, body) for the create and the start, createdAt masked."""
+    answers = []
+    machines = "/api/v1/machines"
+    egress = [{}, {"allowedHosts": ["pypi.org"]}]
+    for i, image in enumerate(REFUSED_IMAGES + LOCAL_IMAGES):
+        for j, more in enumerate(egress):
+            name = f"iti{i}-{j}"
+            steps = [
+                ("POST", machines, {"name": name, "image": image, **more})
+            ]
+            steps.append(("POST", f"{machines}/{name}/start", None))
+            steps.append(("DELETE", f"{machines}/{name}", None))
+            for method, path, body in steps:
+                status, ctype, text = send_raw(socket_path, method, path, body)
+                text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+                answers.append(
+                    (f"{method} {path} {body!r}", status, ctype, text)
+                )
+    return answers
+
+
+def image_fetch_answers(socket_path: str) -> list:
+    """The start's error of each of ACCEPTED_IMAGES on a serve (a host
+    without DNS fails the fetch itself)."""
+    answers = []
+    for i, image in enumerate(ACCEPTED_IMAGES):
+        name = f"ita{i}"
+        body = {"name": name, "image": image}
+        send_raw(socket_path, "POST", "/api/v1/machines", body)
+        path = f"/api/v1/machines/{name}/start"
+        answers.append(send_raw(socket_path, "POST", path)[2])
+        send_raw(socket_path, "DELETE", f"/api/v1/machines/{name}")
+    return answers
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServeImageReferenceIntegration(unittest.TestCase):
+    """Image references on a real serve, byte for byte against the
+    fake's: the refusals of a create and of the first start, and the
+    error create-machine gives for one, with the next step it adds."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+        with real_serve(cls.tmp, raw_base(f"{cls.tmp}/cache")) as socket_path:
+            cls.real = image_reference_exchange(socket_path)
+            cls.real_fetches = image_fetch_answers(socket_path)
+            cls.real_tool = asyncio.run(
+                tool_image_errors(f"{cls.tmp}/real-tool", socket_path)
+            )
+        fake_socket = f"{cls.tmp}/fake.sock"
+        with FakeSmolvm(fake_socket):
+            cls.fake = image_reference_exchange(fake_socket)
+            cls.fake_tool = asyncio.run(
+                tool_image_errors(f"{cls.tmp}/fake-tool", fake_socket)
+            )
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_every_answer_is_the_real_serves_byte_for_byte(self):
+        self.assertEqual(len(self.fake), len(self.real))
+        for real, fake in zip(self.real, self.fake):
+            with self.subTest(request=real[0]):
+                self.assertEqual(fake, real)
+
+    def test_the_refusals_are_the_ones_probed_for(self):
+        starts = [a for a in self.real if a[0].endswith("/start None")]
+        for answer in starts[: len(REFUSED_IMAGES) * 2]:
+            with self.subTest(request=answer[0]):
+                self.assertEqual(answer[1], 500)
+                self.assertRegex(
+                    answer[3], "bad reference: |builder error: invalid"
+                )
+
+    def test_what_the_engine_goes_on_to_fetch_the_fake_accepts(self):
+        for image, answer in zip(ACCEPTED_IMAGES, self.real_fetches):
+            with self.subTest(image=image):
+                self.assertIn("HTTP request failed: error sending", answer)
+                self.assertIsNone(image_reference_refusal(image))
+
+    def test_create_machine_says_the_same_and_what_to_do(self):
+        self.assertEqual(self.fake_tool, self.real_tool)
+        for text in self.real_tool:
+            self.assertIn("bad reference: ", text)
+            self.assertIn("python:3.12-alpine", text)
+            self.assertIn("smolvm config registries edit", text)
+
+
+async def tool_image_errors(tmp: str, socket_path: str) -> list:
+    """What create-machine and run-once answer for a bad reference on the
+    serve at ``socket_path``."""
+    os.makedirs(tmp)
+    config = fake_config(tmp, socket_path)
+    app = SmolMcp(config)
+    texts = []
+    async with Client(app.server, mode="legacy") as c:
+        for tool, args in (
+            ("create-machine", {"name": "itbad", "image": "Not An Image!!"}),
+            ("run-once", {"image": "alpine:", "command": "true"}),
+        ):
+            is_error, text = result_of(await c.call_tool(tool, args))
+            texts.append(re.sub(r"mcp-[0-9a-f]{8}", "mcp-x", text))
+    return texts
+
+
 def connects(address: str, port: int) -> bool:
     """Whether something accepts a TCP connection at (address, port)."""
     try:
@@ -13827,6 +14012,137 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s")
         time.sleep(0.05)
+
+
+class FakeImageReferenceTests(FakeServeRawCase):
+    """The fake refuses the image references the real serve refuses, at
+    the first start, in the serve's words (compared with a real serve by
+    RealServeImageReferenceIntegration); a create refuses local sources."""
+
+    def start_of(self, image, **more):
+        body = {"name": "img", "image": image, **more}
+        self.ok("POST", "/api/v1/machines", body)
+        try:
+            return self.send("POST", "/api/v1/machines/img/start")
+        finally:
+            self.send("DELETE", "/api/v1/machines/img")
+
+    def test_a_bad_reference_is_refused_at_start_with_the_engines_text(self):
+        bad = "config operation failed: image-auth: bad reference: "
+        observed = {
+            "Not An Image!!": bad + "invalid repository component (path "
+            "traversal or disallowed characters)",
+            "alpine:": bad + "empty tag",
+            ":tag": bad + "empty name",
+            "alpine@sha256:short": bad + "digest has 5 hex chars, expected 64",
+            "a/b/c:d": bad
+            + "first component 'a' doesn't look like a registry hostname",
+            "a@b": bad
+            + "unsupported digest algorithm in 'b': only sha256 is supported",
+            "foo.com//x": bad
+            + "empty repository component (check for double slashes)",
+            "foo.com:99999/x": "HTTP request failed: builder error: invalid "
+            "port number",
+        }
+        for image, text in observed.items():
+            for more in ({}, {"allowedHosts": ["pypi.org"]}):
+                with self.subTest(image=image, more=more):
+                    self.assertEqual(
+                        self.start_of(image, **more),
+                        (500, {"error": text, "code": "INTERNAL_ERROR"}),
+                    )
+
+    def test_a_reference_the_engine_fetches_boots(self):
+        for image in ("alpine", "UPPER/case", "a" * 300, "foo.com:5000/x"):
+            with self.subTest(image=image):
+                status, record = self.start_of(image)
+                self.assertEqual((status, record["state"]), (200, "running"))
+
+    def test_a_local_source_is_refused_at_create(self):
+        disabled = (
+            "local images are disabled on this server; start `smolvm "
+            "serve` with --local-image-dir to accept archives and rootfs "
+            "directories under it"
+        )
+        observed = {
+            "x.tar.gz": disabled,
+            "x.tgz": disabled,
+            "a:/x": disabled,
+            "-": "image '-' requires CLI stdin; give the API a server-local "
+            "archive path",
+            "file:///abs": "`file://` is not a supported prefix; give the "
+            "path directly: `/abs`",
+        }
+        for image, text in observed.items():
+            with self.subTest(image=image):
+                self.refused(
+                    "POST",
+                    "/api/v1/machines",
+                    {"name": "img", "image": image},
+                    400,
+                    text,
+                )
+
+    def test_a_pull_of_a_bad_reference_is_refused(self):
+        self.ok("POST", "/api/v1/machines", {"name": "p", "image": "alpine"})
+        self.ok("POST", "/api/v1/machines/p/start")
+        self.assertEqual(
+            self.send(
+                "POST", "/api/v1/machines/p/images/pull", {"image": ":"}
+            ),
+            (
+                500,
+                {
+                    "error": "config operation failed: image-auth: bad "
+                    "reference: empty tag",
+                    "code": "INTERNAL_ERROR",
+                },
+            ),
+        )
+
+
+class ImageReferenceHintTests(FakeServeCase):
+    """The engine's image error, with what a reference looks like and
+    what else may be wrong, from create-machine, run-once and pull-image;
+    nothing is left behind."""
+
+    async def test_each_tool_adds_the_next_step_to_the_engines_words(self):
+        calls = (
+            ("create-machine", {"name": "bad", "image": "Not An Image!!"}),
+            ("run-once", {"image": "alpine:", "command": "true"}),
+        )
+        for mode in MODES:
+            async with self.client(mode) as c:
+                for tool, args in calls:
+                    with self.subTest(mode=mode, tool=tool):
+                        text = await self.refused(c, tool, args)
+                        self.assertIn("bad reference: ", text)
+                        self.assertIn("python:3.12-alpine", text)
+                        self.assertIn("pull-image {name, image}", text)
+                        self.assertIn("smolvm config registries edit", text)
+                        self.assertEqual(self.fake.machines, {})
+
+    async def test_pull_image_adds_it_too(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "pl", "image": "alpine"}
+            )
+            text = await self.refused(
+                c, "pull-image", {"name": "pl", "image": "alpine@sha256:1"}
+            )
+        self.assertIn("digest has 1 hex chars, expected 64", text)
+        self.assertIn("[registry/][namespace/]name[:tag]", text)
+        self.assertIn("smolvm config registries edit", text)
+        # pointing pull-image at itself would say nothing
+        self.assertNotIn("pull-image {name, image}", text)
+
+    async def test_other_start_failures_get_no_image_hint(self):
+        self.fake.boot = "fail"
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c, "create-machine", {"name": "bad", "image": "alpine"}
+            )
+        self.assertNotIn("image reference", text)
 
 
 class FakePoolCase(FakeServeRawCase):
