@@ -861,23 +861,45 @@ class ApiError(SmolError):
     message to branch on."""
 
     def __init__(
-        self, fleet: str, action: str, status: int, code: str, message: str
+        self,
+        fleet: str,
+        action: str,
+        status: int,
+        code: str,
+        message: str,
+        engine_log: tuple[str, ...] = (),
     ):
         self.fleet = fleet
         self.action = action
         self.status = status
         self.code = code
         self.api_message = message
+        # Lines of the engine's own log its message quoted ahead of the
+        # cause (split_engine_log): said last, after every hint.
+        self.engine_log = engine_log
         label = f"HTTP {status} {code}".strip()
         super().__init__(
             f"The {fleet} machine API refused to {action}: {message} ({label})"
+        )
+
+    def __str__(self) -> str:
+        if not self.engine_log:
+            return super().__str__()
+        lines = "\n".join(f"  {line}" for line in self.engine_log)
+        return (
+            f"{self.args[0]}\nThe engine's own log before it failed:\n{lines}"
         )
 
     def with_hint(self, hint: str) -> ApiError:
         """The same error with one more sentence telling the caller what to
         do."""
         err = ApiError(
-            self.fleet, self.action, self.status, self.code, self.api_message
+            self.fleet,
+            self.action,
+            self.status,
+            self.code,
+            self.api_message,
+            self.engine_log,
         )
         err.args = (f"{self.args[0]}. {hint}",)
         return err
@@ -1083,6 +1105,12 @@ STATE_MACHINE_PREFIX = f"{SERVER_MACHINE_PREFIX}state-"
 # The engine's text for a paused machine (observed on 1.32.2).
 SAVED_EXECUTION = "machine has saved execution"
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# A line of the engine's own log (tracing's format: time, level), which a
+# failed boot's message quotes.
+ENGINE_LOG_LINE_RE = re.compile(
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z\s+"
+    r"(TRACE|DEBUG|INFO|WARN|ERROR)\s"
+)
 # The serve child's environment is an allow-list: PATH to find its helpers,
 # HOME and XDG_* for its data, cache and socket directories, the locale and
 # TZ for its messages, TMPDIR for scratch files, RUST_LOG for its log level,
@@ -3266,7 +3294,44 @@ def api_error(
             "no such route on this serve (it may be older than this server "
             "expects)"
         )
-    return ApiError(fleet, action, status, code, text or "no message")
+    text, engine_log = split_engine_log(text)
+    return ApiError(
+        fleet, action, status, code, text or "no message", engine_log
+    )
+
+
+def split_engine_log(text: str) -> tuple[str, tuple[str, ...]]:
+    """Return ``text`` with the cause first, and the engine's log lines
+    it quoted ahead of the cause.
+
+    A failed boot reads "monitor agent: <log lines> (<cause>)": the
+    cause takes the lines' place. Text with no log line, or whose cause
+    is not the parenthesis it ends with, comes back whole.
+    """
+    found = ENGINE_LOG_LINE_RE.search(text)
+    if found is None or not text.endswith(")"):
+        return text, ()
+    quoted = text[found.start() :]
+    depth = 0
+    opening = -1
+    for index in range(len(quoted) - 1, -1, -1):
+        if quoted[index] == ")":
+            depth += 1
+        elif quoted[index] == "(":
+            depth -= 1
+        if depth == 0:
+            opening = index
+            break
+    log_text = quoted[:opening].strip()
+    if opening <= 0 or not log_text:
+        return text, ()
+    cause = quoted[opening + 1 : -1]
+    starts = [line.start() for line in ENGINE_LOG_LINE_RE.finditer(log_text)]
+    pieces = [
+        log_text[start:end].strip()
+        for start, end in zip(starts, [*starts[1:], len(log_text)])
+    ]
+    return text[: found.start()] + cause, tuple(pieces)
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -16858,15 +16923,32 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
     return ok
 
 
+# What each step of the probe does, said as it starts.
+PROBE_STEPS = {
+    "serve": "reaching smolvm serve (starting it if need be)",
+    "create": "creating the machine",
+    "start": "booting it (a first boot can take a minute)",
+    "ready": "waiting until its guest runs a command",
+    "run": "running true in it",
+    "delete": "deleting it",
+}
+# On a terminal, a step still under way says so this often.
+PROBE_NOTE_SECS = 5
+
+
 class LocalProbe:
     """A throwaway machine on the local fleet, taken a step at a time."""
 
-    def __init__(self, app: SmolMcp):
+    def __init__(self, app: SmolMcp, terminal: bool | None = None):
         self.fleet = app.local
         self.config = app.config
         prefix = self.config.machine_prefix
         self.name = f"{prefix}probe-{secrets_module.token_hex(3)}"
         self.created = False
+        # Notes while a step waits go to a person at a terminal only.
+        if terminal is None:
+            terminal = sys.stdout.isatty()
+        self.terminal = terminal
 
     def run(self) -> bool:
         """Take each step, printing how it went; return if all worked.
@@ -16895,10 +16977,13 @@ class LocalProbe:
         return ok
 
     def step(self, label: str, action: Callable[[], Any]) -> bool:
-        """Run one step, printing its time; return False if it failed."""
+        """Run one step, saying what it does as it starts, and its time
+        when it ends; return False if it failed."""
+        print(f"  {label:<8} {PROBE_STEPS[label]}", flush=True)
         started = time.monotonic()
         try:
-            action()
+            with self.waiting_notes(label, started):
+                action()
         except SmolError as err:
             text = self.failure_text(err)
             took = time.monotonic() - started
@@ -16906,6 +16991,31 @@ class LocalProbe:
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
+
+    @contextmanager
+    def waiting_notes(self, label: str, started: float) -> Iterator[None]:
+        """On a terminal, print a note every PROBE_NOTE_SECS while the
+        body runs; elsewhere (a log, a pipe) nothing."""
+        if not self.terminal:
+            yield
+            return
+        done = threading.Event()
+
+        def note() -> None:
+            while not done.wait(PROBE_NOTE_SECS):
+                waited = time.monotonic() - started
+                print(
+                    f"  {label:<8} still waiting after {waited:.0f} s",
+                    flush=True,
+                )
+
+        ticker = threading.Thread(target=note, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
     def failure_text(self, err: SmolError) -> str:
         """Return why a step failed, quoting the boot log if it failed to boot.

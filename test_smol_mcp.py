@@ -74,6 +74,7 @@ import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
 from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
 from tests.fakes.fake_smolvm import (  # noqa: E402
+    PORT_IN_USE_AT_START,
     FakeSmolvm,
     image_reference_refusal,
 )
@@ -10658,6 +10659,144 @@ class EngineOnRampTests(CliCase):
             self.assertEqual(fake.machines, {})
         finally:
             fake.stop()
+
+
+# What a real 1.32.2 serve answered a start whose boot failed, on a host
+# with no resolver: its log line first, the cause in parentheses last.
+BOOT_WITH_LOG = (
+    "failed to start machine: agent operation failed: monitor agent: "
+    "2026-12-02T00:09:03.726261Z  WARN no IPv4 host resolver this backend "
+    "can reach; guest keeps the public resolvers, pass --dns to choose one "
+    'looked_at="/etc/resolv.conf" (boot process exited (code 1) before the '
+    "agent was ready)"
+)
+
+
+class EngineLogOrderTests(unittest.TestCase):
+    """An engine error that quotes its own log before the cause reads
+    with the cause first and the log lines last, marked as the engine's."""
+
+    def error(self, message: str) -> smol_mcp.ApiError:
+        body = json.dumps({"error": message, "code": "INTERNAL_ERROR"})
+        return smol_mcp.api_error(
+            "local",
+            "start machine 'm'",
+            500,
+            "application/json",
+            body.encode(),
+        )
+
+    def test_the_cause_comes_first_and_the_log_last(self):
+        err = self.error(BOOT_WITH_LOG)
+        self.assertEqual(
+            err.api_message,
+            "failed to start machine: agent operation failed: monitor "
+            "agent: boot process exited (code 1) before the agent was ready",
+        )
+        explained = str(smol_mcp.explain_start_failure(err, "blocked", []))
+        head, log = explained.split(
+            "\nThe engine's own log before it failed:\n"
+        )
+        self.assertIn("boot process exited (code 1)", head)
+        self.assertIn("The microVM could not boot on this host", head)
+        self.assertNotIn("WARN", head)
+        self.assertEqual(
+            log,
+            "  2026-12-02T00:09:03.726261Z  WARN no IPv4 host resolver this "
+            "backend can reach; guest keeps the public resolvers, pass --dns "
+            'to choose one looked_at="/etc/resolv.conf"',
+        )
+        # still a boot failure, so its hint is the boot's
+        self.assertTrue(smol_mcp.is_boot_failure(err))
+
+    def test_each_log_line_is_kept_on_its_own(self):
+        message = (
+            "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver\n"
+            "2026-12-01T01:21:08.5Z ERROR the disk (vda) is gone "
+            "(exited (code 2) early)"
+        )
+        err = self.error(message)
+        self.assertEqual(
+            err.api_message, "monitor agent: exited (code 2) early"
+        )
+        self.assertEqual(
+            err.engine_log,
+            (
+                "2026-12-01T01:21:07Z  WARN no resolver",
+                "2026-12-01T01:21:08.5Z ERROR the disk (vda) is gone",
+            ),
+        )
+
+    def test_a_message_without_a_log_line_or_a_cause_is_kept_whole(self):
+        for message in (
+            "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver",
+            PORT_IN_USE_AT_START.format(taken="x"),
+            "machine 'm' not found",
+        ):
+            with self.subTest(message=message):
+                err = self.error(message)
+                self.assertEqual(err.api_message, message)
+                self.assertEqual(err.engine_log, ())
+                self.assertNotIn("own log", str(err))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+class ProbeProgressTests(unittest.TestCase):
+    """doctor --probe says each step as it starts, and on a terminal that
+    it is still waiting every few seconds; not on a pipe."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        socket_path = f"{self.tmp}/slow.sock"
+        self.fake = FakeSmolvm(socket_path, boot_delay=1.2)
+        self.fake.start()
+        self.addCleanup(self.fake.stop)
+        self.app = SmolMcp(fake_config(self.tmp, socket_path))
+
+    def probe(self, terminal: bool) -> list[str]:
+        printed = io.StringIO()
+        probe = smol_mcp.LocalProbe(self.app, terminal=terminal)
+        with (
+            unittest.mock.patch.object(smol_mcp, "PROBE_NOTE_SECS", 0.5),
+            contextlib.redirect_stdout(printed),
+        ):
+            self.assertTrue(probe.run())
+        return printed.getvalue().splitlines()
+
+    def test_a_terminal_sees_each_step_start_and_notes_while_it_waits(self):
+        lines = self.probe(terminal=True)
+        start = lines.index(
+            "  start    booting it (a first boot can take a minute)"
+        )
+        done = next(
+            i
+            for i, line in enumerate(lines)
+            if line.startswith("  start    ok")
+        )
+        waits = lines[start + 1 : done]
+        self.assertTrue(waits, lines)
+        for line in waits:
+            self.assertRegex(line, r"^  start    still waiting after \d+ s$")
+        for label in smol_mcp.PROBE_STEPS:
+            said = f"  {label:<8} {smol_mcp.PROBE_STEPS[label]}"
+            self.assertIn(said, lines)
+            # said before the step's own result
+            self.assertLess(
+                lines.index(said),
+                next(
+                    i
+                    for i, line in enumerate(lines)
+                    if line.startswith(f"  {label:<8} ok in")
+                ),
+            )
+
+    def test_a_pipe_gets_no_notes(self):
+        lines = self.probe(terminal=False)
+        self.assertFalse([line for line in lines if "still waiting" in line])
+        self.assertIn(
+            "  start    booting it (a first boot can take a minute)", lines
+        )
 
 
 class SetupEntryTests(unittest.TestCase):
