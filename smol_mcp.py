@@ -16791,9 +16791,9 @@ def check_usage(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> None:
     """Exit through parser.error when options do not go together."""
-    if (args.command or not args.http) and (
-        args.host or args.port or args.path
-    ):
+    # "is not None": --port 0 and --host "" are given too.
+    given = [args.host, args.port, args.path]
+    if (args.command or not args.http) and given != [None] * 3:
         parser.error("--host, --port and --path go with --http")
     if args.command == "setup" and args.oauth and not args.http_url:
         parser.error("setup --oauth goes with --http URL")

@@ -10799,6 +10799,38 @@ class ProbeProgressTests(unittest.TestCase):
         )
 
 
+class HttpOptionUsageTests(unittest.TestCase):
+    """--host, --port and --path without --http are refused for what they
+    are, whatever their value (0 and "" too)."""
+
+    def usage_error(self, *argv: str) -> str:
+        stderr = io.StringIO()
+        with (
+            contextlib.redirect_stderr(stderr),
+            self.assertRaises(SystemExit) as caught,
+        ):
+            smol_mcp.parse_args(list(argv))
+        self.assertEqual(caught.exception.code, 2)
+        return stderr.getvalue()
+
+    def test_a_falsy_value_without_http_still_says_go_with_http(self):
+        for argv in (
+            ["--port", "0"],
+            ["--port", "8080"],
+            ["--host", ""],
+            ["--path", ""],
+            ["--port", "0", "doctor"],
+        ):
+            with self.subTest(argv=argv):
+                text = self.usage_error(*argv)
+                self.assertIn("--host, --port and --path go with --http", text)
+                self.assertNotIn("between 1 and 65535", text)
+
+    def test_with_http_port_0_is_out_of_range(self):
+        text = self.usage_error("--http", "--port", "0")
+        self.assertIn("--port must be between 1 and 65535, got 0", text)
+
+
 class SetupEntryTests(unittest.TestCase):
     """setup: entries that work when a client starts them outside a
     shell, and --write that never leaves a file the client cannot read."""
