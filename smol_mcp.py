@@ -12621,8 +12621,8 @@ class Approvals:
                 "machine": entry.get("machine"),
                 "expiresAt": request["expiresAt"],
             }
-            if app.pages:
-                notice["review"] = app.pages.issuer + REVIEW_PAGE + approval_id
+            if review := self.review_url(approval_id):
+                notice["review"] = review
             self.notify_webhook(notice, event)
         return approval_id
 
@@ -12720,18 +12720,27 @@ class Approvals:
 
     def howto(self, approval_id: str) -> str:
         """Return how a person answers: the command on the server's host,
-        and the review page when --http serves one.
+        and the review page when someone can open it (review_url).
         """
-        pages = self.app.pages
         approve = ["approvals", "approve", approval_id]
         command = " ".join(launch_command() + approve)
         review = ""
-        if pages:
-            review = f", or answer at {pages.issuer}{REVIEW_PAGE}{approval_id}"
+        if url := self.review_url(approval_id):
+            review = f", or answer at {url}"
         return (
             f"on the server's host run `{command}`"
-            f" (or `approvals deny {approval_id}`){review}"
+            f" (or `approvals deny {approval_id}`; `approvals list` shows"
+            f" what it asks){review}"
         )
+
+    def review_url(self, approval_id: str) -> str | None:
+        """Return the console's page of a waiting call, or None when no
+        one could open it: no pages (stdio, or --http off loopback without
+        publicUrl), or no operator password or link to sign in with."""
+        pages = self.app.pages
+        if not pages or not pages.operator.enabled():
+            return None
+        return f"{pages.issuer}{REVIEW_PAGE}{approval_id}"
 
     def answer_to(self, approval_id: str, answers: dict) -> dict | None:
         """Return the terminal's (or the review page's) answer, else the

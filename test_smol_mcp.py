@@ -21031,6 +21031,83 @@ class ApprovalViaClientTests(FakeServeCase):
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class ApprovalReviewLinkTests(HttpCase):
+    """A held call names the console's page only when someone can open
+    it (an operator password or link exists); before that, the commands
+    on the host."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        _, self.secret = store.create(
+            "held",
+            smol_mcp.parse_scopes("machines.manage,machines.read"),
+            tuple(smol_mcp.FLEETS),
+            "changes",
+        )
+
+    async def held_messages(self, name: str) -> list[str]:
+        """The progress of a held create-machine, answered from the host
+        once it waits."""
+        told = []
+
+        async def on_progress(done, total, message):
+            told.append(message)
+
+        agent = {"Authorization": f"Bearer {self.secret}"}
+        async with self.http_client("legacy", headers=agent) as c:
+            call = asyncio.create_task(
+                c.call_tool(
+                    "create-machine",
+                    {"name": name, "image": "alpine", "start": False},
+                    progress_callback=on_progress,
+                )
+            )
+            await wait_until(
+                lambda: [m for m in told if "waits for a person" in m],
+                10,
+                "the call says it waits",
+            )
+            [held] = self.app.access.desk.pending()
+            smol_mcp.answer_approval(self.config, held["id"], True, None)
+            self.assertFalse(result_of(await call)[0])
+        return [m for m in told if "waits for a person" in m]
+
+    async def test_no_console_link_before_an_operator_password(self):
+        [said, *_] = await self.held_messages("first")
+        self.assertNotIn("/console/", said)
+        self.assertIn("approvals approve ", said)
+        self.assertIn("`approvals list` shows what it asks", said)
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            "a long enough password"
+        )
+        [said, *_] = await self.held_messages("second")
+        self.assertIn(f"or answer at {self.base()}/console/approvals/", said)
+        self.assertIn("approvals approve ", said)
+
+    async def test_a_live_sign_in_link_makes_the_console_reachable(self):
+        smol_mcp.Operator(self.config.state_dir).new_link()
+        [said, *_] = await self.held_messages("linked")
+        self.assertIn(f"{self.base()}/console/approvals/", said)
+
+    async def test_the_webhook_has_no_review_link_without_a_password(self):
+        received = []
+        hook = webhook_receiver(
+            lambda path, body: received.append(json.loads(body))
+        )
+        self.addCleanup(hook.shutdown)
+        url = f"http://127.0.0.1:{hook.server_port}/hook"
+        self.app.config = dataclasses_replace(
+            self.app.config, approval_webhook=url
+        )
+        await self.held_messages("hooked")
+        await wait_until(lambda: received, 10)
+        self.assertNotIn("review", received[0])
+
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 class ApprovalHttpTests(HttpCase):
     async def asyncSetUp(self):
         await super().asyncSetUp()
