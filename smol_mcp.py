@@ -14656,14 +14656,19 @@ def answer_fields() -> str:
     options = "".join(
         f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items()
     )
+    # The marks are hidden from a screen reader: the names say it.
     return (
-        '<button name="answer" value="approve">Approve</button> '
+        '<button class="approve" name="answer" value="approve">'
+        '<span aria-hidden="true">&#10003; </span>Approve</button> '
         "<label>Auto-approve for "
         f'<select name="auto">{options}</select></label>'
-        '<button name="answer" value="auto">Approve + auto-approve</button>'
+        '<button class="approve auto" name="answer" value="auto">'
+        "Approve + auto-approve</button>"
         '<label>Reason <input type="text" name="reason" maxlength="500">'
         "</label>"
-        '<button name="answer" value="reject">Reject</button>'
+        '<button class="reject" name="answer" value="reject">'
+        '<span aria-hidden="true">&#10007; </span>Reject: do not run it'
+        "</button>"
     )
 
 
@@ -15148,6 +15153,11 @@ PAGE_STYLE = (
     "section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
     "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;"
     "padding:.5em}"
+    ".approve{background:#1a7f37;color:#fff;border:1px solid #116329;"
+    "font-weight:bold}"
+    ".approve.auto{background:#fff;color:#116329}"
+    ".reject{background:#fff;color:#b00020;border:2px solid #b00020;"
+    "font-weight:bold}"
 )
 
 

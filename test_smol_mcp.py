@@ -21245,6 +21245,94 @@ PHONE, DESKTOP = {"width": 390, "height": 844}, {"width": 1280, "height": 900}
     os.path.exists(CHROMIUM),
     f"no Chromium at {CHROMIUM} (apt-get install chromium)",
 )
+class ConsoleAnswerButtonTests(HttpCase):
+    """Approve and Reject look unlike each other in Chromium (colour and
+    label), within the page's CSP."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        from playwright.async_api import async_playwright
+
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            OPERATOR_PASSWORD
+        )
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        scopes = smol_mcp.parse_scopes("machines.manage,machines.read")
+        self.held = store.create(
+            "held", scopes, tuple(smol_mcp.FLEETS), "changes"
+        )[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.playwright = await async_playwright().start()
+        self.browser = await self.playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
+        )
+
+    async def asyncTearDown(self):
+        await self.browser.close()
+        await self.playwright.stop()
+        await super().asyncTearDown()
+
+    async def test_approve_and_reject_differ_in_colour_and_label(self):
+        args = {"name": "btn", "image": "alpine", "start": False}
+        agent = {"Authorization": f"Bearer {self.held}"}
+        call = asyncio.create_task(
+            self.raw(
+                "POST",
+                "/api/tools/create-machine",
+                agent,
+                json.dumps(args).encode(),
+            )
+        )
+        await wait_until(self.app.access.desk.pending, 10, "the call waits")
+        page = await self.browser.new_page(viewport=PHONE)
+        refused = []
+        page.on(
+            "console",
+            lambda message: (
+                refused.append(message.text)
+                if "Content Security Policy" in message.text
+                else None
+            ),
+        )
+        await page.goto(self.base + "/console")
+        await page.wait_for_url("**hop=1")
+        await page.get_by_label("Password").fill(OPERATOR_PASSWORD)
+        async with page.expect_navigation():
+            await page.get_by_role("button", name="Sign in").click()
+        approve = page.get_by_role("button", name="Approve", exact=True)
+        reject = page.get_by_role("button", name="Reject: do not run it")
+        looks = []
+        for button in (approve, reject):
+            looks.append(
+                await button.evaluate(
+                    "b => { const s = getComputedStyle(b);"
+                    " return [s.backgroundColor, s.color, s.borderColor,"
+                    " b.innerText]; }"
+                )
+            )
+        await page.screenshot(
+            path=screenshot(self.tmp, "answer-buttons.png"), full_page=True
+        )
+        (approve_bg, approve_fg, _, approve_text) = looks[0]
+        (reject_bg, reject_fg, reject_border, reject_text) = looks[1]
+        self.assertEqual(approve_bg, "rgb(26, 127, 55)")
+        self.assertEqual(reject_fg, "rgb(176, 0, 32)")
+        self.assertEqual(reject_border, "rgb(176, 0, 32)")
+        self.assertNotEqual(approve_bg, reject_bg)
+        self.assertNotEqual(approve_fg, reject_fg)
+        self.assertEqual(approve_text, "\u2713 Approve")
+        self.assertEqual(reject_text, "\u2717 Reject: do not run it")
+        self.assertEqual(refused, [])
+        await approve.click()
+        self.assertEqual((await call).status_code, 200)
+
+
+@unittest.skipUnless(
+    os.path.exists(CHROMIUM),
+    f"no Chromium at {CHROMIUM} (apt-get install chromium)",
+)
 class ConsoleBrowserTests(HttpCase):
     """The operator's console in real headless Chromium, against SDK clients
     whose calls wait for it (section 18)."""
