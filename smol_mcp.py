@@ -14467,9 +14467,32 @@ def pages_app(app: SmolMcp, issuer: str, path: str) -> Any:
         ActivityPage(app),
     )
     routes = [route for group in groups for route in group.routes()]
-    # A PageAnswer carries the response to send instead.
-    answers = {PageAnswer: lambda _, answer: answer.args[0]}
+    # A PageAnswer carries the response to send instead; a path or method
+    # the pages lack is a page too, titled like every other.
+    answers = {
+        PageAnswer: lambda _, answer: answer.args[0],
+        404: functools.partial(no_such_page, app.pages),
+        405: functools.partial(no_such_page, app.pages),
+    }
     return Starlette(routes=routes, exception_handlers=answers)
+
+
+async def no_such_page(pages: Pages, request: Any, exc: Any) -> Any:
+    """The page of a path the server's pages do not have (404), or of a
+    method a path does not take (405, with its Allow header)."""
+    if exc.status_code == 404:
+        title = "No such page"
+        said = "There is no page at this address."
+    else:
+        title = "Not a page to open"
+        said = f"This address does not answer {request.method} requests."
+    body = (
+        f"<p>{esc(said)} The operator's console is at "
+        '<a href="/console">/console</a>.</p>'
+    )
+    response = pages.page(request, title, body, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 # -- the operator's console -------------------------------------------------

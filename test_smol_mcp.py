@@ -17729,6 +17729,38 @@ class OAuthTests(OAuthCase):
             )
 
 
+class PageTitleTests(OAuthCase):
+    """Every page a browser can reach has a <title>: the server's own
+    pages, and the answer for a path or method they do not have."""
+
+    async def test_every_page_has_a_title_and_the_pages_policy(self):
+        import httpx2
+
+        http = httpx2.AsyncClient(base_url=self.base, timeout=30)
+        self.addAsyncCleanup(http.aclose)
+        for path, status, title in (
+            ("/signin", 200, "Sign in"),
+            ("/signin?hop=1&link=x", 200, "Sign in"),
+            ("/console/nope", 404, "No such page"),
+            ("/console/approvals/1/more", 404, "No such page"),
+            ("/signout", 405, "Not a page to open"),
+            ("/token", 405, "Not a page to open"),
+        ):
+            with self.subTest(path=path):
+                page = await http.get(path)
+                self.assertEqual(page.status_code, status)
+                self.assertTrue(
+                    page.headers["content-type"].startswith("text/html")
+                )
+                self.assertIn(f"<title>{title} - smol-mcp</title>", page.text)
+                self.assertIn(
+                    "default-src 'none'",
+                    page.headers["content-security-policy"],
+                )
+                if status == 405:
+                    self.assertIn("POST", page.headers["allow"])
+
+
 class SignInTests(OAuthCase):
     """The operator's pages over plain HTTP: headers, cookies, links, CSRF,
     rate limit."""
