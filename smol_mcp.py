@@ -13896,12 +13896,14 @@ class PlainApi:
         except ValueError:
             # Not JSON: refusal says what the body must be.
             arguments = None
-        refusal = self.refusal(scope["method"], name, arguments)
+        principal = scope["state"]["smol_principal"]
+        refusal = self.refusal(
+            scope["method"], name, arguments, principal.tools()
+        )
         if refusal is not None:
             status, error = refusal
             return await send_json(send, status, {"error": error})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
-        principal = scope["state"]["smol_principal"]
         session = self.sessions.modern_session(principal)
         session.used = True
         session.in_flight += 1
@@ -13920,10 +13922,11 @@ class PlainApi:
         await send_json(send, 200, result.structured_content)
 
     def refusal(
-        self, method: str, name: str, arguments: Any
+        self, method: str, name: str, arguments: Any, tools: Iterable[str]
     ) -> tuple[int, str] | None:
         """The status and error of a request that calls no tool, or None
-        when it may call one."""
+        when it may call one; an unknown name is matched against
+        ``tools``, the caller's own."""
         api = self.path
         if method != "POST" or not name:
             return (
@@ -13932,9 +13935,11 @@ class PlainApi:
                 f"GET {api} lists the tools",
             )
         if name not in TOOLS_BY_NAME:
+            maybe = did_you_mean(name, tools)
             return (
                 404,
-                f"there is no tool named {name!r}; GET {api} lists yours",
+                f"there is no tool named {name!r}{maybe}; GET {api} lists "
+                "yours",
             )
         if not isinstance(arguments, dict):
             return (

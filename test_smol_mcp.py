@@ -16582,6 +16582,51 @@ class AgentAccessHttpTests(HttpCase):
         self.assertEqual(ok.status_code, 200)
 
 
+class PlainApiToolNameTests(HttpCase):
+    """An unknown tool name on the plain API says which of the caller's
+    own tools it was perhaps meant to be, and names none it may not use."""
+
+    async def call(self, secret: str, tool: str) -> tuple[int, dict]:
+        response = await self.raw(
+            "POST",
+            f"/api/tools/{tool}",
+            {"Authorization": f"Bearer {secret}"},
+            b"{}",
+        )
+        return response.status_code, response.json()
+
+    async def test_a_near_miss_is_named(self):
+        for slip, meant in (
+            ("run_command", "run-command"),
+            ("list-machine", "list-machines"),
+            ("createmachine", "create-machine"),
+        ):
+            with self.subTest(slip=slip):
+                status, answer = await self.call(HTTP_TOKEN, slip)
+                self.assertEqual(status, 404)
+                self.assertEqual(
+                    answer["error"],
+                    f"there is no tool named {slip!r} (did you mean "
+                    f'"{meant}"?); GET /api/tools lists yours',
+                )
+
+    async def test_no_guess_for_a_far_name_or_a_tool_not_granted(self):
+        status, answer = await self.call(HTTP_TOKEN, "xyzzy")
+        self.assertEqual(status, 404)
+        self.assertNotIn("did you mean", answer["error"])
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        _, reader = store.create(
+            "look",
+            smol_mcp.parse_scopes("machines.read"),
+            tuple(smol_mcp.FLEETS),
+            "none",
+        )
+        # delete-machine is not the reader's: never suggested to it
+        status, answer = await self.call(reader, "delete_machine")
+        self.assertEqual(status, 404)
+        self.assertNotIn("delete-machine", answer["error"])
+
+
 class PlainApiTests(HttpCase):
     """POST /api/tools/NAME and GET /api/tools: the same tools, scopes,
     ownership, approvals, limits and activity log as the MCP endpoint, without
