@@ -2302,6 +2302,39 @@ class ModernEra(EraScenarios, FakeServeCase):
     mode = "auto"
 
 
+class WorkedExampleTests(FakeServeCase):
+    """The README's worked example, run as printed against the fake
+    engine in both protocol eras: each call with the README's arguments,
+    each result's text the README's character for character, but for the
+    fields in WORKED_EXAMPLE_VARYING."""
+
+    async def test_the_worked_example_runs_as_printed(self):
+        steps = worked_example_steps()
+        tools = [tool for tool, _, _ in steps]
+        self.assertEqual(
+            (tools[0], tools[-1]), ("create-machine", "delete-machine")
+        )
+        for mode in MODES:
+            answers = []
+            async with self.client(mode) as c:
+                for tool, arguments, _ in steps:
+                    answers.append(await c.call_tool(tool, arguments))
+            for (tool, arguments, printed), answer in zip(steps, answers):
+                text = answer.content[0].text
+                self.assertFalse(answer.is_error, text)
+                shown = with_varying_from(
+                    json.loads(printed), json.loads(text)
+                )
+                self.assertEqual(
+                    json.dumps(
+                        shown, ensure_ascii=False, separators=(",", ":")
+                    ),
+                    printed,
+                    f"{mode}: the README's result of {tool} "
+                    f"{json.dumps(arguments)}; a run gives\n→ {text}",
+                )
+
+
 class ToolRuleTests(FakeServeCase):
     """One rule of the tools each (handshake era; the era scenarios cover
     both)."""
@@ -4693,6 +4726,292 @@ class FleetsTableTests(unittest.TestCase):
             list(smol_mcp.FLEETS),
             "each fleet needs a row in the README's fleets table (Fleets "
             "and modes), in the order the fleets register",
+        )
+
+
+# ---------------------------------------------------------------------------
+# The README and docs/, held to what they show
+# ---------------------------------------------------------------------------
+
+README = HERE / "README.md"
+# The files the one-home rule reads: a sentence is said in one of them once.
+ONE_HOME_DOCS = ("README.md", "docs/OPERATING.md", "docs/CONTRIBUTING.md")
+# Where the wheel's README points for every file it links or shows: a
+# package index renders it away from the repository.
+REPOSITORY_URL = "https://github.com/smol-machines/smol-mcp"
+REPOSITORY_FILES = f"{REPOSITORY_URL}/blob/main/"
+REPOSITORY_RAW = (
+    "https://raw.githubusercontent.com/smol-machines/smol-mcp/main/"
+)
+# What a person sees before scrolling: about the README's first 60 lines.
+FIRST_SCREEN_LINES = 60
+# The worked example's result fields that differ from run to run, wherever
+# they sit in a result: a machine's creation time and its process id.
+WORKED_EXAMPLE_VARYING = ("createdAt", "pid")
+
+
+def readme_section(title: str) -> str:
+    """Return the README's text under ``## title``, to the next ``## ``."""
+    readme = README.read_text()
+    start = readme.index(f"\n## {title}\n")
+    end = readme.find("\n## ", start + 1)
+    if end == -1:
+        end = len(readme)
+    return readme[start:end]
+
+
+def fenced_blocks(text: str, info: str) -> list[str]:
+    """Return the bodies of the fenced blocks tagged ``info``, in order."""
+    return re.findall(rf"^```{info}\n(.*?)^```$", text, re.M | re.S)
+
+
+def worked_example_steps() -> list[tuple[str, dict, str]]:
+    """Return (tool, arguments, printed result) for each step of the
+    README's worked example; raise AssertionError when a block does not
+    alternate a call line (``TOOL {json}``) and its ``→ `` result line."""
+    steps = []
+    for block in fenced_blocks(readme_section("A worked example"), "text"):
+        lines = block.splitlines()
+        if len(lines) % 2:
+            raise AssertionError(f"a call without its result: {lines[-1]}")
+        for call, result in zip(lines[::2], lines[1::2]):
+            found = re.fullmatch(r"([a-z][a-z-]*) (\{.*\})", call)
+            if found is None or not result.startswith("→ "):
+                raise AssertionError(
+                    f"not a call and its result: {call!r}, {result!r}"
+                )
+            arguments = json.loads(found[2])
+            steps.append((found[1], arguments, result[2:]))
+    return steps
+
+
+def with_varying_from(printed, actual):
+    """Return ``actual`` with each varying field's value replaced by the
+    one ``printed`` has at the same place, when both have one of the same
+    type; every other value stays the run's own."""
+    if isinstance(actual, dict) and isinstance(printed, dict):
+        merged = {}
+        for key, value in actual.items():
+            shown = printed.get(key)
+            same_type = type(shown) is type(value) and shown is not None
+            if key in WORKED_EXAMPLE_VARYING and same_type:
+                merged[key] = shown
+            else:
+                merged[key] = with_varying_from(shown, value)
+        return merged
+    if isinstance(actual, list) and isinstance(printed, list):
+        merged = [with_varying_from(p, a) for p, a in zip(printed, actual)]
+        return merged + actual[len(printed) :]
+    return actual
+
+
+def prose_blocks(text: str) -> list[str]:
+    """Return the paragraphs, list items and table cells of a Markdown
+    text, each on one line; fenced code, HTML comments, headings and
+    table rules are left out."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    blocks = []
+    current = []
+    fenced = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+            stripped = ""
+        if fenced or not stripped or stripped.startswith("#"):
+            blocks.append(" ".join(current))
+            current = []
+            continue
+        if stripped.startswith("|"):
+            blocks.append(" ".join(current))
+            current = []
+            if not re.fullmatch(r"[|\s:-]+", stripped):
+                blocks.extend(stripped.strip("|").split(" | "))
+            continue
+        item = re.match(r"([-*]|\d+\.)\s+", stripped)
+        if item:
+            blocks.append(" ".join(current))
+            current = []
+            stripped = stripped[item.end() :]
+        current.append(stripped)
+    blocks.append(" ".join(current))
+    return [block for block in blocks if block]
+
+
+def doc_sentences(text: str, least_words: int = 8) -> list[str]:
+    """Return the sentences of a Markdown text of ``least_words`` words or
+    more, links reduced to their text, bold marks dropped, whitespace
+    collapsed and case folded."""
+    sentences = []
+    for block in prose_blocks(text):
+        block = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", block)
+        block = block.replace("**", "")
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z`(\"\[])", block):
+            words = sentence.split()
+            if len(words) >= least_words:
+                sentences.append(" ".join(words).casefold())
+    return sentences
+
+
+def heading_slugs(text: str) -> set[str]:
+    """Return the anchors GitHub gives a Markdown text's headings."""
+    slugs = set()
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.+)", line)
+        if heading and not fenced:
+            title = re.sub(r"[^\w\- ]", "", heading[1].strip().lower())
+            slugs.add(title.replace(" ", "-"))
+    return slugs
+
+
+def markdown_links(text: str) -> list[tuple[bool, str]]:
+    """Return (is an image, target) for each link and image of a Markdown
+    text, outside fenced code and code spans."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    found = re.findall(r"(!?)\[[^\]]*\]\(([^)\s]*)\)", text)
+    found += [
+        ("!", src) for src in re.findall(r'<img [^>]*src="([^"]*)"', text)
+    ]
+    found += [
+        ("", href) for href in re.findall(r'<a [^>]*href="([^"]*)"', text)
+    ]
+    return [(bang == "!", target) for bang, target in found]
+
+
+class ReadmeFirstScreenTests(unittest.TestCase):
+    """The README's first screen (FIRST_SCREEN_LINES) is enough to reach a
+    working agent: the two commands, one client entry exactly as `setup`
+    prints it, and the worked example's first call."""
+
+    def first_screen(self) -> str:
+        lines = README.read_text().splitlines()
+        return "\n".join(lines[:FIRST_SCREEN_LINES])
+
+    def test_the_two_commands_an_entry_and_the_first_call(self):
+        screen = self.first_screen()
+        for command in ("uv run smol_mcp.py ", "uv run test_smol_mcp.py "):
+            self.assertIn(f"\n{command}", screen, "the two commands")
+        self.assertEqual(
+            len(fenced_blocks(screen, "json")), 1, "one client entry"
+        )
+        tool, arguments, _ = worked_example_steps()[0]
+        self.assertIn(
+            f"\n{tool} {json.dumps(arguments)}\n",
+            screen,
+            "the worked example's first call, on the first screen",
+        )
+
+    def test_the_entry_is_what_setup_prints_with_the_two_paths_replaced(self):
+        printed_entry = json.loads(
+            fenced_blocks(self.first_screen(), "json")[0]
+        )
+        command = [
+            "/abs/bin/uv",
+            "run",
+            "--script",
+            "/abs/path/to/smol_mcp.py",
+        ]
+        # setup's choice of command is SetupEntryTests' to check; here the
+        # shape it prints around it, with no setting in the environment
+        with (
+            unittest.mock.patch.dict(
+                os.environ, {"PATH": os.environ["PATH"]}, clear=True
+            ),
+            unittest.mock.patch.object(
+                smol_mcp, "launch_command", return_value=command
+            ),
+        ):
+            key, entry = smol_mcp.client_entry("claude-code", None, Config())
+            printed = smol_mcp.render_entry("claude-code", key, entry)
+        self.assertEqual(printed_entry, json.loads(printed))
+
+    def test_the_other_entries_are_what_setup_prints(self):
+        import tomllib
+
+        section = readme_section("Connecting a client")
+        shown = {
+            "opencode": json.loads(fenced_blocks(section, "json")[0]),
+            "codex": tomllib.loads(fenced_blocks(section, "toml")[0]),
+        }
+        command = [
+            "/abs/bin/uv",
+            "run",
+            "--script",
+            "/abs/path/to/smol_mcp.py",
+        ]
+        for client, entry_shown in shown.items():
+            with (
+                self.subTest(client=client),
+                unittest.mock.patch.dict(
+                    os.environ, {"PATH": os.environ["PATH"]}, clear=True
+                ),
+                unittest.mock.patch.object(
+                    smol_mcp, "launch_command", return_value=command
+                ),
+            ):
+                key, entry = smol_mcp.client_entry(client, None, Config())
+                printed = smol_mcp.render_entry(client, key, entry)
+                if client == "codex":
+                    self.assertEqual(entry_shown, tomllib.loads(printed))
+                else:
+                    self.assertEqual(entry_shown, json.loads(printed))
+
+
+class ReadmeLinkTests(unittest.TestCase):
+    """The README works where the wheel's copy is read, away from the
+    repository (a package index): every link to a file and every image is
+    an absolute URL into this repository naming a file it has (and, for a
+    Markdown file, a heading it has), an image a raw one that renders as
+    an image; an in-page link stays relative (``#anchor``) and names one
+    of the README's own headings."""
+
+    def test_file_links_are_absolute_and_anchors_name_headings(self):
+        readme = README.read_text()
+        slugs = heading_slugs(readme)
+        for is_image, target in markdown_links(readme):
+            with self.subTest(target=target):
+                if is_image:
+                    self.assertTrue(
+                        target.startswith(REPOSITORY_RAW),
+                        f"an image not at {REPOSITORY_RAW}...",
+                    )
+                    path = target.removeprefix(REPOSITORY_RAW)
+                    self.assertTrue((HERE / path).is_file(), "no such file")
+                    continue
+                if target.startswith("#"):
+                    self.assertIn(target[1:], slugs, "no such heading")
+                    continue
+                self.assertTrue(
+                    target.startswith("https://"),
+                    "a file link must be absolute to work on a package "
+                    f"index: {REPOSITORY_FILES}PATH",
+                )
+                if not target.startswith(REPOSITORY_FILES):
+                    continue
+                path, _, fragment = target.removeprefix(
+                    REPOSITORY_FILES
+                ).partition("#")
+                self.assertTrue((HERE / path).is_file(), "no such file")
+                if fragment:
+                    linked = (HERE / path).read_text()
+                    self.assertIn(fragment, heading_slugs(linked))
+
+    def test_the_reader_catches_what_it_must(self):
+        links = markdown_links(
+            "[a](docs/OPERATING.md) ![b](docs/x.png) `[c](d)`\n"
+            '<img src="e.png">\n```\n[f](g)\n```\n'
+        )
+        self.assertEqual(
+            links,
+            [
+                (False, "docs/OPERATING.md"),
+                (True, "docs/x.png"),
+                (True, "e.png"),
+            ],
         )
 
 
