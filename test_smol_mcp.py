@@ -5015,6 +5015,56 @@ class ReadmeLinkTests(unittest.TestCase):
         )
 
 
+class DocsOneHomeTests(unittest.TestCase):
+    """Every fact has one home: no sentence appears twice in README.md,
+    docs/OPERATING.md and docs/CONTRIBUTING.md together.
+
+    The rule (doc_sentences): the prose is read per paragraph, list item
+    and table cell; fenced code, HTML comments and headings are not read
+    (a command is shown where it is used). Links count as their text, bold
+    marks are dropped, whitespace is collapsed and case folded. A sentence
+    ends at ``.``, ``!`` or ``?`` before a space and a capital, a backtick,
+    a quote, a parenthesis or a bracket. A sentence under 8 words is not
+    counted: short ones ("More: ...", "The same, for `run-once`.") recur
+    by nature and carry no fact of their own.
+    """
+
+    maxDiff = None
+
+    def test_no_sentence_twice(self):
+        homes = {}
+        for name in ONE_HOME_DOCS:
+            for sentence in doc_sentences((HERE / name).read_text()):
+                homes.setdefault(sentence, []).append(name)
+        twice = {
+            sentence: names
+            for sentence, names in homes.items()
+            if len(names) > 1
+        }
+        self.assertEqual(
+            twice,
+            {},
+            "a sentence said twice: keep it in one file (the README a short "
+            "summary in other words, docs/ the detail) and link",
+        )
+
+    def test_the_rule_reads_what_it_says(self):
+        text = (
+            "One two three four five six seven eight. Short one here.\n\n"
+            "| cell one two three four five six seven eight |\n"
+            "```\nin code one two three four five six seven eight\n```\n"
+            "- **One two** three [four](x) five six seven eight.\n"
+        )
+        self.assertEqual(
+            doc_sentences(text),
+            [
+                "one two three four five six seven eight.",
+                "cell one two three four five six seven eight",
+                "one two three four five six seven eight.",
+            ],
+        )
+
+
 class ThirdFleetTests(FakeCloudCase):
     """Any number of fleets: with a third registered (ThirdFleet), auto
     serves every usable fleet, a subset serves exactly itself, and the
