@@ -865,23 +865,45 @@ class ApiError(SmolError):
     message to branch on."""
 
     def __init__(
-        self, fleet: str, action: str, status: int, code: str, message: str
+        self,
+        fleet: str,
+        action: str,
+        status: int,
+        code: str,
+        message: str,
+        engine_log: tuple[str, ...] = (),
     ):
         self.fleet = fleet
         self.action = action
         self.status = status
         self.code = code
         self.api_message = message
+        # Lines of the engine's own log its message quoted ahead of the
+        # cause (split_engine_log): said last, after every hint.
+        self.engine_log = engine_log
         label = f"HTTP {status} {code}".strip()
         super().__init__(
             f"The {fleet} machine API refused to {action}: {message} ({label})"
+        )
+
+    def __str__(self) -> str:
+        if not self.engine_log:
+            return super().__str__()
+        lines = "\n".join(f"  {line}" for line in self.engine_log)
+        return (
+            f"{self.args[0]}\nThe engine's own log before it failed:\n{lines}"
         )
 
     def with_hint(self, hint: str) -> ApiError:
         """The same error with one more sentence telling the caller what to
         do."""
         err = ApiError(
-            self.fleet, self.action, self.status, self.code, self.api_message
+            self.fleet,
+            self.action,
+            self.status,
+            self.code,
+            self.api_message,
+            self.engine_log,
         )
         err.args = (f"{self.args[0]}. {hint}",)
         return err
@@ -1087,6 +1109,12 @@ STATE_MACHINE_PREFIX = f"{SERVER_MACHINE_PREFIX}state-"
 # The engine's text for a paused machine (observed on 1.32.2).
 SAVED_EXECUTION = "machine has saved execution"
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# A line of the engine's own log (tracing's format: time, level), which a
+# failed boot's message quotes.
+ENGINE_LOG_LINE_RE = re.compile(
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z\s+"
+    r"(TRACE|DEBUG|INFO|WARN|ERROR)\s"
+)
 # The serve child's environment is an allow-list: PATH to find its helpers,
 # HOME and XDG_* for its data, cache and socket directories, the locale and
 # TZ for its messages, TMPDIR for scratch files, RUST_LOG for its log level,
@@ -3361,7 +3389,44 @@ def api_error(
             "no such route on this serve (it may be older than this server "
             "expects)"
         )
-    return ApiError(fleet, action, status, code, text or "no message")
+    text, engine_log = split_engine_log(text)
+    return ApiError(
+        fleet, action, status, code, text or "no message", engine_log
+    )
+
+
+def split_engine_log(text: str) -> tuple[str, tuple[str, ...]]:
+    """Return ``text`` with the cause first, and the engine's log lines
+    it quoted ahead of the cause.
+
+    A failed boot reads "monitor agent: <log lines> (<cause>)": the
+    cause takes the lines' place. Text with no log line, or whose cause
+    is not the parenthesis it ends with, comes back whole.
+    """
+    found = ENGINE_LOG_LINE_RE.search(text)
+    if found is None or not text.endswith(")"):
+        return text, ()
+    quoted = text[found.start() :]
+    depth = 0
+    opening = -1
+    for index in range(len(quoted) - 1, -1, -1):
+        if quoted[index] == ")":
+            depth += 1
+        elif quoted[index] == "(":
+            depth -= 1
+        if depth == 0:
+            opening = index
+            break
+    log_text = quoted[:opening].strip()
+    if opening <= 0 or not log_text:
+        return text, ()
+    cause = quoted[opening + 1 : -1]
+    starts = [line.start() for line in ENGINE_LOG_LINE_RE.finditer(log_text)]
+    pieces = [
+        log_text[start:end].strip()
+        for start, end in zip(starts, [*starts[1:], len(log_text)])
+    ]
+    return text[: found.start()] + cause, tuple(pieces)
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -5724,6 +5789,28 @@ HOST_UNREACHABLE_RE = re.compile(
 BOOT_FAILURE_RE = re.compile(
     "did not become ready|before the agent was ready|KvmOpen"
 )
+# The local engine's refusal of an image reference it cannot parse, or of
+# the registry address in it, at the first start (1.32.2).
+BAD_IMAGE_RE = re.compile(
+    "bad reference: |builder error: invalid "
+    "(port number|IPv6 address|international domain name)"
+)
+BAD_IMAGE_HINT = (
+    "The engine could not read that image reference. One reads "
+    "[registry/][namespace/]name[:tag][@sha256:<64 hex digits>], such as "
+    "alpine, python:3.12-alpine or ghcr.io/owner/name:1.0: letters, "
+    "digits, '.', '_' and '-' in each part, no spaces, and a registry "
+    "(with a dot or a port) first when there are three parts or more. "
+)
+BAD_IMAGE_TRY = (
+    "pull-image {name, image} tries another reference on a local machine "
+    "you have without making a new one. "
+)
+PRIVATE_REGISTRY = (
+    "An image in a private registry also needs credentials the engine "
+    "has: the operator adds them on its host (smolvm config registries "
+    "edit)"
+)
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -6275,6 +6362,8 @@ def explain_start_failure(
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
+    if BAD_IMAGE_RE.search(text):
+        return err.with_hint(BAD_IMAGE_HINT + BAD_IMAGE_TRY + PRIVATE_REGISTRY)
     if network != "open" and "must be pulled" in text:
         # An older engine (1.14 line) refuses a registry image without
         # guest egress.
@@ -6765,12 +6854,14 @@ async def budget_exec(
     timeout: int,
     since: datetime.datetime,
     once: bool,
+    network: str | None = None,
 ) -> dict:
     """The run-command result: each stream within maxOutputBytes, both
     within replyTokens; a stream that did not fit is written whole into
     the machine, its path in ``overflow`` (not by run-once, ``once``,
     whose machine is deleted as it answers); a failure's egress denials
-    too."""
+    too, and the hint of blocked egress (``network``: the machine's
+    egress word when the caller knows it, else read when needed)."""
     limit = call.config.max_output_bytes
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     # A stream longer than twice the byte limit is cut whatever it costs:
@@ -6826,7 +6917,10 @@ async def budget_exec(
                     f"machine at {path} (read it with read-file)"
                 )
         shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
-    return await note_egress_denials(call, name, shaped, since, once)
+    shaped = await note_egress_denials(call, name, shaped, since, once)
+    if "egressHint" in shaped or not failed_on_network(result, shaped):
+        return shaped
+    return await note_blocked_egress(call, name, shaped, once, network)
 
 
 EGRESS_HINT = (
@@ -6920,6 +7014,117 @@ def egress_hint(call: Call, name: str, once: bool) -> str:
     if granting_scope(call.principal, "allow-egress") is None:
         return EGRESS_HINT_NO_SCOPE
     return EGRESS_HINT.format(name=name)
+
+
+# What a command prints when it could not look a name up or reach an
+# address: busybox (wget, nslookup, ping), curl, GNU wget, pip and
+# Python's socket and urllib, npm and Node, git and ssh, apt and apk, Go,
+# Java. Matched only in the last NETWORK_FAILURE_TAIL bytes of a stream,
+# where a failing command says why it stopped, so a word in passing
+# earlier in the output does not count.
+NETWORK_FAILURE_RE = re.compile(
+    "|".join(
+        (
+            "bad address '",
+            "can't resolve",
+            "could(n't| not) resolve",
+            "unable to resolve",
+            "temporary failure (in name resolution|resolving)",
+            "name or service not known",
+            "no address associated with hostname",
+            "nodename nor servname",
+            "failed to lookup address",
+            "network is unreachable",
+            "no route to host",
+            r"\b(ENOTFOUND|EAI_AGAIN|ENETUNREACH|EHOSTUNREACH)\b",
+            "no servers could be reached",
+            "dns lookup error",
+            r"temporary error \(try again later\)",
+            r"lookup \S+( on \S+)?: no such host",
+            "UnknownHostException",
+            "getaddrinfo failed",
+        )
+    ),
+    re.IGNORECASE,
+)
+NETWORK_FAILURE_TAIL = 4096
+EGRESS_BLOCKED = (
+    "The command's output reads like a failed name lookup or connection, "
+    "and this machine's egress is blocked (the default): it reaches no "
+    "host at all."
+)
+EGRESS_BLOCKED_AMEND = (
+    f"{EGRESS_BLOCKED} To let it reach the host it needs, stop-machine, "
+    'then allow-egress {{name: "{name}", hosts: ["<the host name>"]}} '
+    "(once a person confirms), then start-machine; or create a machine "
+    'with network: "open" (or allowHosts).'
+)
+EGRESS_BLOCKED_CREATE = (
+    f"{EGRESS_BLOCKED} This fleet cannot change a machine's egress: "
+    'create a machine with network: "open" (or allowHosts: ["<the host '
+    'name>"]) for the command.'
+)
+EGRESS_BLOCKED_RUN_ONCE = (
+    f"{EGRESS_BLOCKED} That machine is deleted already; run the command "
+    'again with network: "open" (or allowHosts: ["<the host name>"]).'
+)
+EGRESS_BLOCKED_NO_SCOPE = (
+    f"{EGRESS_BLOCKED} Opening it needs the manage scope, which this "
+    "caller does not have: ask the operator for a machine with the egress "
+    'it needs (network: "open" at create, or allow-egress).'
+)
+
+
+def failed_on_network(result: ExecResult, shaped: dict) -> bool:
+    """Return whether a command failed (a non-zero exit or its timeout)
+    and the end of its stdout or stderr reads like a network failure."""
+    if shaped["exitCode"] == 0 and not shaped["timedOut"]:
+        return False
+    for data in (result.stderr, result.stdout):
+        tail = data[-NETWORK_FAILURE_TAIL:].decode("utf-8", "replace")
+        if NETWORK_FAILURE_RE.search(tail):
+            return True
+    return False
+
+
+async def note_blocked_egress(
+    call: Call, name: str, shaped: dict, once: bool, network: str | None
+) -> dict:
+    """Add the egressHint of blocked egress to a command that failed on
+    the network, when its machine's egress is blocked; ``network``: the
+    machine's egress word, read from its record when None (an unreadable
+    record adds nothing)."""
+    if network is None:
+        try:
+            record = await call.api(call.fleet.get_machine, name)
+        except SmolError as err:
+            log.info("could not read the egress of %s: %s", name, err)
+            return shaped
+        network = record["network"]
+    if network != "blocked":
+        return shaped
+    return {**shaped, "egressHint": blocked_egress_hint(call, name, once)}
+
+
+def blocked_egress_hint(call: Call, name: str, once: bool) -> str:
+    """The egressHint of a blocked machine's network failure: run again
+    (run-once), amend (allow-egress, local), create anew (cloud), or ask
+    the operator."""
+    if once:
+        return EGRESS_BLOCKED_RUN_ONCE
+    if granting_scope(call.principal, "allow-egress") is None:
+        return EGRESS_BLOCKED_NO_SCOPE
+    if call.fleet.amends_egress:
+        return EGRESS_BLOCKED_AMEND.format(name=name)
+    return EGRESS_BLOCKED_CREATE
+
+
+def spec_egress(spec: MachineSpec) -> str:
+    """A create request's egress in the shared vocabulary (open, blocked,
+    allowlist), as the machine's record will read."""
+    if spec.allow_hosts or spec.allow_cidrs:
+        return "allowlist"
+    return spec.network
 
 
 ARG_NAME_ONLY = _input("name", name=ARG_NAME)
@@ -7940,7 +8145,13 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             call, name, command_argv(args["command"]), **options
         )
         shaped = await budget_exec(
-            call, name, result, options["timeout_secs"], since, once=True
+            call,
+            name,
+            result,
+            options["timeout_secs"],
+            since,
+            once=True,
+            network=spec_egress(spec),
         )
         return {**shaped, "startedMachine": False, "name": name}
     finally:
@@ -8563,7 +8774,13 @@ def state_gone(call: Call, state: str) -> SmolError:
     ),
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
-    pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
+    name = args["name"]
+    try:
+        pulled = await call.api(call.fleet.pull_image, name, args["image"])
+    except ApiError as err:
+        if BAD_IMAGE_RE.search(err.api_message):
+            raise err.with_hint(BAD_IMAGE_HINT + PRIVATE_REGISTRY) from None
+        raise
     return {"image": pulled}
 
 
@@ -12741,8 +12958,8 @@ class Approvals:
                 "machine": entry.get("machine"),
                 "expiresAt": request["expiresAt"],
             }
-            if app.pages:
-                notice["review"] = app.pages.issuer + REVIEW_PAGE + approval_id
+            if review := self.review_url(approval_id):
+                notice["review"] = review
             self.notify_webhook(notice, event)
         return approval_id
 
@@ -12840,18 +13057,27 @@ class Approvals:
 
     def howto(self, approval_id: str) -> str:
         """Return how a person answers: the command on the server's host,
-        and the review page when --http serves one.
+        and the review page when someone can open it (review_url).
         """
-        pages = self.app.pages
         approve = ["approvals", "approve", approval_id]
         command = " ".join(launch_command() + approve)
         review = ""
-        if pages:
-            review = f", or answer at {pages.issuer}{REVIEW_PAGE}{approval_id}"
+        if url := self.review_url(approval_id):
+            review = f", or answer at {url}"
         return (
             f"on the server's host run `{command}`"
-            f" (or `approvals deny {approval_id}`){review}"
+            f" (or `approvals deny {approval_id}`; `approvals list` shows"
+            f" what it asks){review}"
         )
+
+    def review_url(self, approval_id: str) -> str | None:
+        """Return the console's page of a waiting call, or None when no
+        one could open it: no pages (stdio, or --http off loopback without
+        publicUrl), or no operator password or link to sign in with."""
+        pages = self.app.pages
+        if not pages or not pages.operator.enabled():
+            return None
+        return f"{pages.issuer}{REVIEW_PAGE}{approval_id}"
 
     def answer_to(self, approval_id: str, answers: dict) -> dict | None:
         """Return the terminal's (or the review page's) answer, else the
@@ -14078,12 +14304,14 @@ class PlainApi:
         except ValueError:
             # Not JSON: refusal says what the body must be.
             arguments = None
-        refusal = self.refusal(scope["method"], name, arguments)
+        principal = scope["state"]["smol_principal"]
+        refusal = self.refusal(
+            scope["method"], name, arguments, principal.tools()
+        )
         if refusal is not None:
             status, error = refusal
             return await send_json(send, status, {"error": error})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
-        principal = scope["state"]["smol_principal"]
         session = self.sessions.modern_session(principal)
         session.used = True
         session.in_flight += 1
@@ -14102,10 +14330,11 @@ class PlainApi:
         await send_json(send, 200, result["structuredContent"])
 
     def refusal(
-        self, method: str, name: str, arguments: Any
+        self, method: str, name: str, arguments: Any, tools: Iterable[str]
     ) -> tuple[int, str] | None:
         """The status and error of a request that calls no tool, or None
-        when it may call one."""
+        when it may call one; an unknown name is matched against
+        ``tools``, the caller's own."""
         api = self.path
         if method != "POST" or not name:
             return (
@@ -14114,9 +14343,11 @@ class PlainApi:
                 f"GET {api} lists the tools",
             )
         if name not in TOOLS_BY_NAME:
+            maybe = did_you_mean(name, tools)
             return (
                 404,
-                f"there is no tool named {name!r}; GET {api} lists yours",
+                f"there is no tool named {name!r}{maybe}; GET {api} lists "
+                "yours",
             )
         if not isinstance(arguments, dict):
             return (
@@ -14757,9 +14988,32 @@ def pages_app(app: SmolMcp, issuer: str, path: str) -> Any:
         ActivityPage(app),
     )
     routes = [route for group in groups for route in group.routes()]
-    # A PageAnswer carries the response to send instead.
-    answers = {PageAnswer: lambda _, answer: answer.args[0]}
+    # A PageAnswer carries the response to send instead; a path or method
+    # the pages lack is a page too, titled like every other.
+    answers = {
+        PageAnswer: lambda _, answer: answer.args[0],
+        404: functools.partial(no_such_page, app.pages),
+        405: functools.partial(no_such_page, app.pages),
+    }
     return Starlette(routes=routes, exception_handlers=answers)
+
+
+async def no_such_page(pages: Pages, request: Any, exc: Any) -> Any:
+    """The page of a path the server's pages do not have (404), or of a
+    method a path does not take (405, with its Allow header)."""
+    if exc.status_code == 404:
+        title = "No such page"
+        said = "There is no page at this address."
+    else:
+        title = "Not a page to open"
+        said = f"This address does not answer {request.method} requests."
+    body = (
+        f"<p>{esc(said)} The operator's console is at "
+        '<a href="/console">/console</a>.</p>'
+    )
+    response = pages.page(request, title, body, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 # -- the operator's console -------------------------------------------------
@@ -14946,14 +15200,19 @@ def answer_fields() -> str:
     options = "".join(
         f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items()
     )
+    # The marks are hidden from a screen reader: the names say it.
     return (
-        '<button name="answer" value="approve">Approve</button> '
+        '<button class="approve" name="answer" value="approve">'
+        '<span aria-hidden="true">&#10003; </span>Approve</button> '
         "<label>Auto-approve for "
         f'<select name="auto">{options}</select></label>'
-        '<button name="answer" value="auto">Approve + auto-approve</button>'
+        '<button class="approve auto" name="answer" value="auto">'
+        "Approve + auto-approve</button>"
         '<label>Reason <input type="text" name="reason" maxlength="500">'
         "</label>"
-        '<button name="answer" value="reject">Reject</button>'
+        '<button class="reject" name="answer" value="reject">'
+        '<span aria-hidden="true">&#10007; </span>Reject: do not run it'
+        "</button>"
     )
 
 
@@ -15449,6 +15708,11 @@ PAGE_STYLE = (
     "section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
     "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;"
     "padding:.5em}"
+    ".approve{background:#1a7f37;color:#fff;border:1px solid #116329;"
+    "font-weight:bold}"
+    ".approve.auto{background:#fff;color:#116329}"
+    ".reject{background:#fff;color:#b00020;border:2px solid #b00020;"
+    "font-weight:bold}"
 )
 
 
@@ -17101,9 +17365,9 @@ def check_usage(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> None:
     """Exit through parser.error when options do not go together."""
-    if (args.command or not args.http) and (
-        args.host or args.port or args.path
-    ):
+    # "is not None": --port 0 and --host "" are given too.
+    given = [args.host, args.port, args.path]
+    if (args.command or not args.http) and given != [None] * 3:
         parser.error("--host, --port and --path go with --http")
     if args.command == "setup" and args.oauth and not args.http_url:
         parser.error("setup --oauth goes with --http URL")
@@ -17233,15 +17497,32 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
     return ok
 
 
+# What each step of the probe does, said as it starts.
+PROBE_STEPS = {
+    "serve": "reaching smolvm serve (starting it if need be)",
+    "create": "creating the machine",
+    "start": "booting it (a first boot can take a minute)",
+    "ready": "waiting until its guest runs a command",
+    "run": "running true in it",
+    "delete": "deleting it",
+}
+# On a terminal, a step still under way says so this often.
+PROBE_NOTE_SECS = 5
+
+
 class LocalProbe:
     """A throwaway machine on the local fleet, taken a step at a time."""
 
-    def __init__(self, app: SmolMcp):
+    def __init__(self, app: SmolMcp, terminal: bool | None = None):
         self.fleet = app.local
         self.config = app.config
         prefix = self.config.machine_prefix
         self.name = f"{prefix}probe-{secrets_module.token_hex(3)}"
         self.created = False
+        # Notes while a step waits go to a person at a terminal only.
+        if terminal is None:
+            terminal = sys.stdout.isatty()
+        self.terminal = terminal
 
     def run(self) -> bool:
         """Take each step, printing how it went; return if all worked.
@@ -17270,10 +17551,13 @@ class LocalProbe:
         return ok
 
     def step(self, label: str, action: Callable[[], Any]) -> bool:
-        """Run one step, printing its time; return False if it failed."""
+        """Run one step, saying what it does as it starts, and its time
+        when it ends; return False if it failed."""
+        print(f"  {label:<8} {PROBE_STEPS[label]}", flush=True)
         started = time.monotonic()
         try:
-            action()
+            with self.waiting_notes(label, started):
+                action()
         except SmolError as err:
             text = self.failure_text(err)
             took = time.monotonic() - started
@@ -17281,6 +17565,31 @@ class LocalProbe:
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
+
+    @contextmanager
+    def waiting_notes(self, label: str, started: float) -> Iterator[None]:
+        """On a terminal, print a note every PROBE_NOTE_SECS while the
+        body runs; elsewhere (a log, a pipe) nothing."""
+        if not self.terminal:
+            yield
+            return
+        done = threading.Event()
+
+        def note() -> None:
+            while not done.wait(PROBE_NOTE_SECS):
+                waited = time.monotonic() - started
+                print(
+                    f"  {label:<8} still waiting after {waited:.0f} s",
+                    flush=True,
+                )
+
+        ticker = threading.Thread(target=note, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
     def failure_text(self, err: SmolError) -> str:
         """Return why a step failed, quoting the boot log if it failed to boot.

@@ -73,7 +73,11 @@ from mcp.shared import exceptions as mcp_exceptions  # noqa: E402
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
 from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
-from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
+from tests.fakes.fake_smolvm import (  # noqa: E402
+    PORT_IN_USE_AT_START,
+    FakeSmolvm,
+    image_reference_refusal,
+)
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
 # No test asks this host's resolver: a name an allow list adds resolves to
@@ -2296,6 +2300,39 @@ class HandshakeEra(EraScenarios, FakeServeCase):
 
 class ModernEra(EraScenarios, FakeServeCase):
     mode = "auto"
+
+
+class WorkedExampleTests(FakeServeCase):
+    """The README's worked example, run as printed against the fake
+    engine in both protocol eras: each call with the README's arguments,
+    each result's text the README's character for character, but for the
+    fields in WORKED_EXAMPLE_VARYING."""
+
+    async def test_the_worked_example_runs_as_printed(self):
+        steps = worked_example_steps()
+        tools = [tool for tool, _, _ in steps]
+        self.assertEqual(
+            (tools[0], tools[-1]), ("create-machine", "delete-machine")
+        )
+        for mode in MODES:
+            answers = []
+            async with self.client(mode) as c:
+                for tool, arguments, _ in steps:
+                    answers.append(await c.call_tool(tool, arguments))
+            for (tool, arguments, printed), answer in zip(steps, answers):
+                text = answer.content[0].text
+                self.assertFalse(answer.is_error, text)
+                shown = with_varying_from(
+                    json.loads(printed), json.loads(text)
+                )
+                self.assertEqual(
+                    json.dumps(
+                        shown, ensure_ascii=False, separators=(",", ":")
+                    ),
+                    printed,
+                    f"{mode}: the README's result of {tool} "
+                    f"{json.dumps(arguments)}; a run gives\n→ {text}",
+                )
 
 
 class ToolRuleTests(FakeServeCase):
@@ -4692,6 +4729,342 @@ class FleetsTableTests(unittest.TestCase):
         )
 
 
+# ---------------------------------------------------------------------------
+# The README and docs/, held to what they show
+# ---------------------------------------------------------------------------
+
+README = HERE / "README.md"
+# The files the one-home rule reads: a sentence is said in one of them once.
+ONE_HOME_DOCS = ("README.md", "docs/OPERATING.md", "docs/CONTRIBUTING.md")
+# Where the wheel's README points for every file it links or shows: a
+# package index renders it away from the repository.
+REPOSITORY_URL = "https://github.com/smol-machines/smol-mcp"
+REPOSITORY_FILES = f"{REPOSITORY_URL}/blob/main/"
+REPOSITORY_RAW = (
+    "https://raw.githubusercontent.com/smol-machines/smol-mcp/main/"
+)
+# What a person sees before scrolling: about the README's first 60 lines.
+FIRST_SCREEN_LINES = 60
+# The worked example's result fields that differ from run to run, wherever
+# they sit in a result: a machine's creation time and its process id.
+WORKED_EXAMPLE_VARYING = ("createdAt", "pid")
+
+
+def readme_section(title: str) -> str:
+    """Return the README's text under ``## title``, to the next ``## ``."""
+    readme = README.read_text()
+    start = readme.index(f"\n## {title}\n")
+    end = readme.find("\n## ", start + 1)
+    if end == -1:
+        end = len(readme)
+    return readme[start:end]
+
+
+def fenced_blocks(text: str, info: str) -> list[str]:
+    """Return the bodies of the fenced blocks tagged ``info``, in order."""
+    return re.findall(rf"^```{info}\n(.*?)^```$", text, re.M | re.S)
+
+
+def worked_example_steps() -> list[tuple[str, dict, str]]:
+    """Return (tool, arguments, printed result) for each step of the
+    README's worked example; raise AssertionError when a block does not
+    alternate a call line (``TOOL {json}``) and its ``→ `` result line."""
+    steps = []
+    for block in fenced_blocks(readme_section("A worked example"), "text"):
+        lines = block.splitlines()
+        if len(lines) % 2:
+            raise AssertionError(f"a call without its result: {lines[-1]}")
+        for call, result in zip(lines[::2], lines[1::2]):
+            found = re.fullmatch(r"([a-z][a-z-]*) (\{.*\})", call)
+            if found is None or not result.startswith("→ "):
+                raise AssertionError(
+                    f"not a call and its result: {call!r}, {result!r}"
+                )
+            arguments = json.loads(found[2])
+            steps.append((found[1], arguments, result[2:]))
+    return steps
+
+
+def with_varying_from(printed, actual):
+    """Return ``actual`` with each varying field's value replaced by the
+    one ``printed`` has at the same place, when both have one of the same
+    type; every other value stays the run's own."""
+    if isinstance(actual, dict) and isinstance(printed, dict):
+        merged = {}
+        for key, value in actual.items():
+            shown = printed.get(key)
+            same_type = type(shown) is type(value) and shown is not None
+            if key in WORKED_EXAMPLE_VARYING and same_type:
+                merged[key] = shown
+            else:
+                merged[key] = with_varying_from(shown, value)
+        return merged
+    if isinstance(actual, list) and isinstance(printed, list):
+        merged = [with_varying_from(p, a) for p, a in zip(printed, actual)]
+        return merged + actual[len(printed) :]
+    return actual
+
+
+def prose_blocks(text: str) -> list[str]:
+    """Return the paragraphs, list items and table cells of a Markdown
+    text, each on one line; fenced code, HTML comments, headings and
+    table rules are left out."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    blocks = []
+    current = []
+    fenced = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+            stripped = ""
+        if fenced or not stripped or stripped.startswith("#"):
+            blocks.append(" ".join(current))
+            current = []
+            continue
+        if stripped.startswith("|"):
+            blocks.append(" ".join(current))
+            current = []
+            if not re.fullmatch(r"[|\s:-]+", stripped):
+                blocks.extend(stripped.strip("|").split(" | "))
+            continue
+        item = re.match(r"([-*]|\d+\.)\s+", stripped)
+        if item:
+            blocks.append(" ".join(current))
+            current = []
+            stripped = stripped[item.end() :]
+        current.append(stripped)
+    blocks.append(" ".join(current))
+    return [block for block in blocks if block]
+
+
+def doc_sentences(text: str, least_words: int = 8) -> list[str]:
+    """Return the sentences of a Markdown text of ``least_words`` words or
+    more, links reduced to their text, bold marks dropped, whitespace
+    collapsed and case folded."""
+    sentences = []
+    for block in prose_blocks(text):
+        block = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", block)
+        block = block.replace("**", "")
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z`(\"\[])", block):
+            words = sentence.split()
+            if len(words) >= least_words:
+                sentences.append(" ".join(words).casefold())
+    return sentences
+
+
+def heading_slugs(text: str) -> set[str]:
+    """Return the anchors GitHub gives a Markdown text's headings."""
+    slugs = set()
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.+)", line)
+        if heading and not fenced:
+            title = re.sub(r"[^\w\- ]", "", heading[1].strip().lower())
+            slugs.add(title.replace(" ", "-"))
+    return slugs
+
+
+def markdown_links(text: str) -> list[tuple[bool, str]]:
+    """Return (is an image, target) for each link and image of a Markdown
+    text, outside fenced code and code spans."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    found = re.findall(r"(!?)\[[^\]]*\]\(([^)\s]*)\)", text)
+    found += [
+        ("!", src) for src in re.findall(r'<img [^>]*src="([^"]*)"', text)
+    ]
+    found += [
+        ("", href) for href in re.findall(r'<a [^>]*href="([^"]*)"', text)
+    ]
+    return [(bang == "!", target) for bang, target in found]
+
+
+class ReadmeFirstScreenTests(unittest.TestCase):
+    """The README's first screen (FIRST_SCREEN_LINES) is enough to reach a
+    working agent: the two commands, one client entry exactly as `setup`
+    prints it, and the worked example's first call."""
+
+    def first_screen(self) -> str:
+        lines = README.read_text().splitlines()
+        return "\n".join(lines[:FIRST_SCREEN_LINES])
+
+    def test_the_two_commands_an_entry_and_the_first_call(self):
+        screen = self.first_screen()
+        for command in ("uv run smol_mcp.py ", "uv run test_smol_mcp.py "):
+            self.assertIn(f"\n{command}", screen, "the two commands")
+        self.assertEqual(
+            len(fenced_blocks(screen, "json")), 1, "one client entry"
+        )
+        tool, arguments, _ = worked_example_steps()[0]
+        self.assertIn(
+            f"\n{tool} {json.dumps(arguments)}\n",
+            screen,
+            "the worked example's first call, on the first screen",
+        )
+
+    def test_the_entry_is_what_setup_prints_with_the_two_paths_replaced(self):
+        printed_entry = json.loads(
+            fenced_blocks(self.first_screen(), "json")[0]
+        )
+        command = [
+            "/abs/bin/uv",
+            "run",
+            "--script",
+            "/abs/path/to/smol_mcp.py",
+        ]
+        # setup's choice of command is SetupEntryTests' to check; here the
+        # shape it prints around it, with no setting in the environment
+        with (
+            unittest.mock.patch.dict(
+                os.environ, {"PATH": os.environ["PATH"]}, clear=True
+            ),
+            unittest.mock.patch.object(
+                smol_mcp, "launch_command", return_value=command
+            ),
+        ):
+            key, entry = smol_mcp.client_entry("claude-code", None, Config())
+            printed = smol_mcp.render_entry("claude-code", key, entry)
+        self.assertEqual(printed_entry, json.loads(printed))
+
+    def test_the_other_entries_are_what_setup_prints(self):
+        import tomllib
+
+        section = readme_section("Connecting a client")
+        shown = {
+            "opencode": json.loads(fenced_blocks(section, "json")[0]),
+            "codex": tomllib.loads(fenced_blocks(section, "toml")[0]),
+        }
+        command = [
+            "/abs/bin/uv",
+            "run",
+            "--script",
+            "/abs/path/to/smol_mcp.py",
+        ]
+        for client, entry_shown in shown.items():
+            with (
+                self.subTest(client=client),
+                unittest.mock.patch.dict(
+                    os.environ, {"PATH": os.environ["PATH"]}, clear=True
+                ),
+                unittest.mock.patch.object(
+                    smol_mcp, "launch_command", return_value=command
+                ),
+            ):
+                key, entry = smol_mcp.client_entry(client, None, Config())
+                printed = smol_mcp.render_entry(client, key, entry)
+                if client == "codex":
+                    self.assertEqual(entry_shown, tomllib.loads(printed))
+                else:
+                    self.assertEqual(entry_shown, json.loads(printed))
+
+
+class ReadmeLinkTests(unittest.TestCase):
+    """The README works where the wheel's copy is read, away from the
+    repository (a package index): every link to a file and every image is
+    an absolute URL into this repository naming a file it has (and, for a
+    Markdown file, a heading it has), an image a raw one that renders as
+    an image; an in-page link stays relative (``#anchor``) and names one
+    of the README's own headings."""
+
+    def test_file_links_are_absolute_and_anchors_name_headings(self):
+        readme = README.read_text()
+        slugs = heading_slugs(readme)
+        for is_image, target in markdown_links(readme):
+            with self.subTest(target=target):
+                if is_image:
+                    self.assertTrue(
+                        target.startswith(REPOSITORY_RAW),
+                        f"an image not at {REPOSITORY_RAW}...",
+                    )
+                    path = target.removeprefix(REPOSITORY_RAW)
+                    self.assertTrue((HERE / path).is_file(), "no such file")
+                    continue
+                if target.startswith("#"):
+                    self.assertIn(target[1:], slugs, "no such heading")
+                    continue
+                self.assertTrue(
+                    target.startswith("https://"),
+                    "a file link must be absolute to work on a package "
+                    f"index: {REPOSITORY_FILES}PATH",
+                )
+                if not target.startswith(REPOSITORY_FILES):
+                    continue
+                path, _, fragment = target.removeprefix(
+                    REPOSITORY_FILES
+                ).partition("#")
+                self.assertTrue((HERE / path).is_file(), "no such file")
+                if fragment:
+                    linked = (HERE / path).read_text()
+                    self.assertIn(fragment, heading_slugs(linked))
+
+    def test_the_reader_catches_what_it_must(self):
+        links = markdown_links(
+            "[a](docs/OPERATING.md) ![b](docs/x.png) `[c](d)`\n"
+            '<img src="e.png">\n```\n[f](g)\n```\n'
+        )
+        self.assertEqual(
+            links,
+            [
+                (False, "docs/OPERATING.md"),
+                (True, "docs/x.png"),
+                (True, "e.png"),
+            ],
+        )
+
+
+class DocsOneHomeTests(unittest.TestCase):
+    """Every fact has one home: no sentence appears twice in README.md,
+    docs/OPERATING.md and docs/CONTRIBUTING.md together.
+
+    The rule (doc_sentences): the prose is read per paragraph, list item
+    and table cell; fenced code, HTML comments and headings are not read
+    (a command is shown where it is used). Links count as their text, bold
+    marks are dropped, whitespace is collapsed and case folded. A sentence
+    ends at ``.``, ``!`` or ``?`` before a space and a capital, a backtick,
+    a quote, a parenthesis or a bracket. A sentence under 8 words is not
+    counted: short ones ("More: ...", "The same, for `run-once`.") recur
+    by nature and carry no fact of their own.
+    """
+
+    maxDiff = None
+
+    def test_no_sentence_twice(self):
+        homes = {}
+        for name in ONE_HOME_DOCS:
+            for sentence in doc_sentences((HERE / name).read_text()):
+                homes.setdefault(sentence, []).append(name)
+        twice = {
+            sentence: names
+            for sentence, names in homes.items()
+            if len(names) > 1
+        }
+        self.assertEqual(
+            twice,
+            {},
+            "a sentence said twice: keep it in one file (the README a short "
+            "summary in other words, docs/ the detail) and link",
+        )
+
+    def test_the_rule_reads_what_it_says(self):
+        text = (
+            "One two three four five six seven eight. Short one here.\n\n"
+            "| cell one two three four five six seven eight |\n"
+            "```\nin code one two three four five six seven eight\n```\n"
+            "- **One two** three [four](x) five six seven eight.\n"
+        )
+        self.assertEqual(
+            doc_sentences(text),
+            [
+                "one two three four five six seven eight.",
+                "cell one two three four five six seven eight",
+                "one two three four five six seven eight.",
+            ],
+        )
+
+
 class ThirdFleetTests(FakeCloudCase):
     """Any number of fleets: with a third registered (ThirdFleet), auto
     serves every usable fleet, a subset serves exactly itself, and the
@@ -5449,6 +5822,283 @@ def resolving(table: dict, slow: dict | None = None):
         return list(table.get(name, []))
 
     return unittest.mock.patch.object(smol_mcp, "resolve_host", resolve)
+
+
+# The wordings of tools that failed to reach the network, as each prints
+# them when a name does not resolve or no route is there.
+NETWORK_FAILURES = {
+    "busybox wget": "wget: bad address 'pypi.org'",
+    "busybox nslookup": "nslookup: can't resolve 'pypi.org'",
+    "busybox connect": (
+        "wget: can't connect to remote host (151.101.0.223): Network is "
+        "unreachable"
+    ),
+    "curl": "curl: (6) Could not resolve host: pypi.org",
+    "GNU wget": ("wget: unable to resolve host address 'pypi.org'"),
+    "pip": (
+        "WARNING: Retrying (Retry(total=4, connect=None, read=None, "
+        "redirect=None, status=None)) after connection broken by "
+        "'NewConnectionError('<pip._vendor.urllib3.connection."
+        "HTTPSConnection object at 0x7f>: Failed to establish a new "
+        "connection: [Errno -3] Temporary failure in name resolution')': "
+        "/simple/requests/\n"
+        "ERROR: Could not find a version that satisfies the requirement "
+        "requests (from versions: none)\n"
+        "ERROR: No matching distribution found for requests"
+    ),
+    "npm": (
+        "npm error code ENOTFOUND\n"
+        "npm error syscall getaddrinfo\n"
+        "npm error errno ENOTFOUND\n"
+        "npm error network request to https://registry.npmjs.org/left-pad "
+        "failed, reason: getaddrinfo ENOTFOUND registry.npmjs.org"
+    ),
+    "node EAI_AGAIN": "Error: getaddrinfo EAI_AGAIN example.com",
+    "node ENETUNREACH": "Error: connect ENETUNREACH 93.184.216.34:443",
+    "git": (
+        "fatal: unable to access 'https://github.com/a/b.git/': Could not "
+        "resolve host: github.com"
+    ),
+    "ssh": (
+        "ssh: Could not resolve hostname github.com: Temporary failure in "
+        "name resolution"
+    ),
+    "apt": (
+        "Err:1 http://deb.debian.org/debian bookworm InRelease\n"
+        "  Temporary failure resolving 'deb.debian.org'"
+    ),
+    "apk": (
+        "WARNING: fetching https://dl-cdn.alpinelinux.org/alpine/v3.20/main: "
+        "DNS lookup error\n"
+        "ERROR: unable to select packages:\n  curl (no such package)"
+    ),
+    "old apk": (
+        "fetch https://dl-cdn.alpinelinux.org/alpine/v3.18/main/x86_64/"
+        "APKINDEX.tar.gz\nERROR: https://dl-cdn.alpinelinux.org/alpine/"
+        "v3.18/main: temporary error (try again later)"
+    ),
+    "python socket.gaierror": (
+        "socket.gaierror: [Errno -2] Name or service not known"
+    ),
+    "python urllib": (
+        "urllib.error.URLError: <urlopen error [Errno -3] Temporary "
+        "failure in name resolution>"
+    ),
+    "python no address": (
+        "socket.gaierror: [Errno -5] No address associated with hostname"
+    ),
+    "python unreachable": "OSError: [Errno 101] Network is unreachable",
+    "no route": (
+        "curl: (7) Failed to connect to 1.1.1.1 port 80: No route to host"
+    ),
+    "go": (
+        'Get "https://proxy.golang.org/": dial tcp: lookup '
+        "proxy.golang.org on 10.0.2.3:53: no such host"
+    ),
+    "java": "java.net.UnknownHostException: repo.maven.apache.org",
+    "rust": (
+        "error: failed to download from `https://index.crates.io/`: "
+        "[6] Couldn't resolve host name (Could not resolve host: "
+        "index.crates.io)"
+    ),
+    "dig": ";; connection timed out; no servers could be reached",
+}
+
+
+def failed_result(stderr: str, stdout: str = "", code: int = 1):
+    return smol_mcp.ExecResult(code, stdout.encode(), stderr.encode(), 0.1)
+
+
+def shaped_of(result, timed_out: bool = False) -> dict:
+    return {"exitCode": result.exit_code, "timedOut": timed_out}
+
+
+class NetworkFailureWordingTests(unittest.TestCase):
+    """Which output reads like a network failure: the tail of a failed
+    command's stream, in the words each tool prints."""
+
+    def test_every_tools_wording_reads_as_a_network_failure(self):
+        for tool, text in NETWORK_FAILURES.items():
+            with self.subTest(tool=tool):
+                result = failed_result(text)
+                self.assertTrue(
+                    smol_mcp.failed_on_network(result, shaped_of(result))
+                )
+                # on stdout too (a tool that writes its errors there)
+                result = failed_result("", stdout=text)
+                self.assertTrue(
+                    smol_mcp.failed_on_network(result, shaped_of(result))
+                )
+
+    def test_a_success_never_reads_as_a_network_failure(self):
+        result = failed_result(NETWORK_FAILURES["curl"], code=0)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+        # a timeout does, whatever its exit code
+        self.assertTrue(
+            smol_mcp.failed_on_network(result, shaped_of(result, True))
+        )
+
+    def test_a_word_in_passing_is_not_a_failure(self):
+        passing = (
+            "checking network settings... ok\n"
+            "resolving dependencies (no network needed)\n"
+            "test_dns_lookup_is_mocked ... ok\n"
+            "FAILED tests/test_math.py::test_add - assert 1 == 2\n"
+        )
+        result = failed_result(passing)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+
+    def test_only_the_tail_of_a_stream_is_read(self):
+        early = NETWORK_FAILURES["busybox wget"] + "\n"
+        later = "x" * smol_mcp.NETWORK_FAILURE_TAIL
+        result = failed_result(early + later)
+        self.assertFalse(smol_mcp.failed_on_network(result, shaped_of(result)))
+        result = failed_result(later + early)
+        self.assertTrue(smol_mcp.failed_on_network(result, shaped_of(result)))
+
+
+class BlockedEgressHintTests(FakeServeCase):
+    """A failed command whose output reads like a network failure, on a
+    machine whose egress is blocked, says so in egressHint and names what
+    opens it; nothing is said on open egress."""
+
+    fail = "echo \"wget: bad address 'pypi.org'\" >&2; exit 1"
+
+    async def test_a_blocked_machine_says_egress_is_blocked(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                name = f"blk-{mode}"
+                async with self.client(mode) as c:
+                    await self.ok(
+                        c, "create-machine", {"name": name, "image": "alpine"}
+                    )
+                    # the guest's own wget, with no route to a name server
+                    ran = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": name,
+                            "command": "wget -q -O - http://pypi.org/",
+                        },
+                    )
+                self.assertNotEqual(ran["exitCode"], 0, ran)
+                self.assertNotIn("egressDenied", ran)
+                hint = ran["egressHint"]
+                self.assertIn("egress is blocked", hint)
+                self.assertIn(f'allow-egress {{name: "{name}", hosts:', hint)
+                self.assertIn('network: "open"', hint)
+                self.assertIn("stop-machine", hint)
+
+    async def test_open_egress_and_a_clean_exit_get_no_hint(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "opn", "image": "alpine", "network": "open"},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "opn", "command": self.fail}
+            )
+            self.assertEqual(ran["exitCode"], 1)
+            self.assertNotIn("egressHint", ran)
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            ran = await self.ok(
+                c,
+                "run-command",
+                {"name": "blk", "command": self.fail.replace("exit 1", "")},
+            )
+            self.assertEqual(ran["exitCode"], 0)
+            self.assertNotIn("egressHint", ran)
+            # an allow list is not blocked egress: its denials say more
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "lst", "image": "alpine", "allowHosts": ["x.test"]},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "lst", "command": self.fail}
+            )
+            self.assertNotIn("egressHint", ran)
+
+    async def test_the_record_is_read_only_when_the_output_reads_so(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            self.fake.requests.clear()
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": "exit 3"}
+            )
+            self.assertNotIn("egressHint", ran)
+            gets = self.requests_to("/machines/blk", "GET")
+            self.assertEqual(gets, [])
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": self.fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertEqual(len(self.requests_to("/machines/blk", "GET")), 1)
+
+    async def test_run_once_says_to_run_again_with_network_open(self):
+        async with self.client("legacy") as c:
+            ran = await self.ok(
+                c, "run-once", {"image": "alpine", "command": self.fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertIn("run the command again", ran["egressHint"])
+            self.assertIn('network: "open"', ran["egressHint"])
+            ran = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "command": self.fail, "network": "open"},
+            )
+            self.assertNotIn("egressHint", ran)
+
+    async def test_a_caller_without_manage_is_sent_to_the_operator(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "blk", "image": "alpine"}
+            )
+            self.app.access.stdio = smol_mcp.Principal(
+                "runner", frozenset({"machines.exec"}), kind="stdio"
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "blk", "command": self.fail}
+            )
+        self.assertIn("ask the operator", ran["egressHint"])
+        self.assertNotIn("allow-egress {", ran["egressHint"])
+
+
+class CloudBlockedEgressHintTests(FakeCloudCase):
+    """The same hint on the cloud, which cannot amend egress: create a
+    machine with network open."""
+
+    async def test_a_blocked_cloud_machine_says_create_with_network_open(self):
+        fail = BlockedEgressHintTests.fail
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "cblk", "image": "alpine"}
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "cblk", "command": fail}
+            )
+            self.assertIn("egress is blocked", ran["egressHint"])
+            self.assertIn('network: "open"', ran["egressHint"])
+            self.assertNotIn("allow-egress", ran["egressHint"])
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "copen", "image": "alpine", "network": "open"},
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": "copen", "command": fail}
+            )
+            self.assertNotIn("egressHint", ran)
+            ran = await self.ok(
+                c, "run-once", {"image": "alpine", "command": fail}
+            )
+            self.assertIn("run the command again", ran["egressHint"])
 
 
 class EgressResolveTests(FakeServeCase):
@@ -10567,6 +11217,176 @@ class EngineOnRampTests(CliCase):
             fake.stop()
 
 
+# What a real 1.32.2 serve answered a start whose boot failed, on a host
+# with no resolver: its log line first, the cause in parentheses last.
+BOOT_WITH_LOG = (
+    "failed to start machine: agent operation failed: monitor agent: "
+    "2026-12-02T00:09:03.726261Z  WARN no IPv4 host resolver this backend "
+    "can reach; guest keeps the public resolvers, pass --dns to choose one "
+    'looked_at="/etc/resolv.conf" (boot process exited (code 1) before the '
+    "agent was ready)"
+)
+
+
+class EngineLogOrderTests(unittest.TestCase):
+    """An engine error that quotes its own log before the cause reads
+    with the cause first and the log lines last, marked as the engine's."""
+
+    def error(self, message: str) -> smol_mcp.ApiError:
+        body = json.dumps({"error": message, "code": "INTERNAL_ERROR"})
+        return smol_mcp.api_error(
+            "local",
+            "start machine 'm'",
+            500,
+            "application/json",
+            body.encode(),
+        )
+
+    def test_the_cause_comes_first_and_the_log_last(self):
+        err = self.error(BOOT_WITH_LOG)
+        self.assertEqual(
+            err.api_message,
+            "failed to start machine: agent operation failed: monitor "
+            "agent: boot process exited (code 1) before the agent was ready",
+        )
+        explained = str(smol_mcp.explain_start_failure(err, "blocked", []))
+        head, log = explained.split(
+            "\nThe engine's own log before it failed:\n"
+        )
+        self.assertIn("boot process exited (code 1)", head)
+        self.assertIn("The microVM could not boot on this host", head)
+        self.assertNotIn("WARN", head)
+        self.assertEqual(
+            log,
+            "  2026-12-02T00:09:03.726261Z  WARN no IPv4 host resolver this "
+            "backend can reach; guest keeps the public resolvers, pass --dns "
+            'to choose one looked_at="/etc/resolv.conf"',
+        )
+        # still a boot failure, so its hint is the boot's
+        self.assertTrue(smol_mcp.is_boot_failure(err))
+
+    def test_each_log_line_is_kept_on_its_own(self):
+        message = (
+            "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver\n"
+            "2026-12-01T01:21:08.5Z ERROR the disk (vda) is gone "
+            "(exited (code 2) early)"
+        )
+        err = self.error(message)
+        self.assertEqual(
+            err.api_message, "monitor agent: exited (code 2) early"
+        )
+        self.assertEqual(
+            err.engine_log,
+            (
+                "2026-12-01T01:21:07Z  WARN no resolver",
+                "2026-12-01T01:21:08.5Z ERROR the disk (vda) is gone",
+            ),
+        )
+
+    def test_a_message_without_a_log_line_or_a_cause_is_kept_whole(self):
+        for message in (
+            "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver",
+            PORT_IN_USE_AT_START.format(taken="x"),
+            "machine 'm' not found",
+        ):
+            with self.subTest(message=message):
+                err = self.error(message)
+                self.assertEqual(err.api_message, message)
+                self.assertEqual(err.engine_log, ())
+                self.assertNotIn("own log", str(err))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+class ProbeProgressTests(unittest.TestCase):
+    """doctor --probe says each step as it starts, and on a terminal that
+    it is still waiting every few seconds; not on a pipe."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        socket_path = f"{self.tmp}/slow.sock"
+        self.fake = FakeSmolvm(socket_path, boot_delay=1.2)
+        self.fake.start()
+        self.addCleanup(self.fake.stop)
+        self.app = SmolMcp(fake_config(self.tmp, socket_path))
+
+    def probe(self, terminal: bool) -> list[str]:
+        printed = io.StringIO()
+        probe = smol_mcp.LocalProbe(self.app, terminal=terminal)
+        with (
+            unittest.mock.patch.object(smol_mcp, "PROBE_NOTE_SECS", 0.5),
+            contextlib.redirect_stdout(printed),
+        ):
+            self.assertTrue(probe.run())
+        return printed.getvalue().splitlines()
+
+    def test_a_terminal_sees_each_step_start_and_notes_while_it_waits(self):
+        lines = self.probe(terminal=True)
+        start = lines.index(
+            "  start    booting it (a first boot can take a minute)"
+        )
+        done = next(
+            i
+            for i, line in enumerate(lines)
+            if line.startswith("  start    ok")
+        )
+        waits = lines[start + 1 : done]
+        self.assertTrue(waits, lines)
+        for line in waits:
+            self.assertRegex(line, r"^  start    still waiting after \d+ s$")
+        for label in smol_mcp.PROBE_STEPS:
+            said = f"  {label:<8} {smol_mcp.PROBE_STEPS[label]}"
+            self.assertIn(said, lines)
+            # said before the step's own result
+            self.assertLess(
+                lines.index(said),
+                next(
+                    i
+                    for i, line in enumerate(lines)
+                    if line.startswith(f"  {label:<8} ok in")
+                ),
+            )
+
+    def test_a_pipe_gets_no_notes(self):
+        lines = self.probe(terminal=False)
+        self.assertFalse([line for line in lines if "still waiting" in line])
+        self.assertIn(
+            "  start    booting it (a first boot can take a minute)", lines
+        )
+
+
+class HttpOptionUsageTests(unittest.TestCase):
+    """--host, --port and --path without --http are refused for what they
+    are, whatever their value (0 and "" too)."""
+
+    def usage_error(self, *argv: str) -> str:
+        stderr = io.StringIO()
+        with (
+            contextlib.redirect_stderr(stderr),
+            self.assertRaises(SystemExit) as caught,
+        ):
+            smol_mcp.parse_args(list(argv))
+        self.assertEqual(caught.exception.code, 2)
+        return stderr.getvalue()
+
+    def test_a_falsy_value_without_http_still_says_go_with_http(self):
+        for argv in (
+            ["--port", "0"],
+            ["--port", "8080"],
+            ["--host", ""],
+            ["--path", ""],
+            ["--port", "0", "doctor"],
+        ):
+            with self.subTest(argv=argv):
+                text = self.usage_error(*argv)
+                self.assertIn("--host, --port and --path go with --http", text)
+                self.assertNotIn("between 1 and 65535", text)
+
+    def test_with_http_port_0_is_out_of_range(self):
+        text = self.usage_error("--http", "--port", "0")
+        self.assertIn("--port must be between 1 and 65535, got 0", text)
+
+
 class SetupEntryTests(unittest.TestCase):
     """setup: entries that work when a client starts them outside a
     shell, and --write that never leaves a file the client cannot read."""
@@ -13317,6 +14137,190 @@ class RealServeEgressRulesIntegration(unittest.TestCase):
         self.assertEqual(self.real[5][1], 422)
 
 
+# Image references the real serve refuses at the first start of a machine
+# created without network (its parse of the reference, then the registry
+# URL built from it), those a create refuses (local sources), and some it
+# accepts and goes on to fetch.
+REFUSED_IMAGES = [
+    "Not An Image!!",
+    "a b",
+    "alpine:",
+    ":tag",
+    "alpine@sha256:short",
+    "",
+    " ",
+    "alpine@sha256:" + "g" * 64,
+    "alpine@sha256:" + "a" * 63,
+    "alpine@sha512:" + "a" * 128,
+    "a@b@c",
+    "alpine:t@g",
+    "x/a/b",
+    "localhost/a/b",
+    "foo.com//x",
+    "foo.com//",
+    "docker.io/",
+    "a/",
+    "x/..",
+    "foo.com/./y",
+    "foo.com/a b//x",
+    "\u00e9",
+    "http://x/y",
+    "x/y:",
+    "@",
+    ":",
+    "a" * 300 + " b",
+    "foo.com:99999/x",
+    "foo.com:abc/x",
+    "[::1:5000/x",
+]
+LOCAL_IMAGES = [
+    "/abs",
+    "./x",
+    "../x",
+    "x.tar",
+    "x.tar.gz",
+    "x.tgz",
+    "-",
+    "file:///abs",
+    "file://",
+    "a:/x",
+]
+ACCEPTED_IMAGES = [
+    "alpine",
+    "UPPER/case",
+    "a" * 300,
+    "python:3.12-alpine",
+    "ghcr.io/o/n:1",
+    "alpine@sha256:" + "a" * 64,
+    "alpine:3@sha256:" + "A" * 64,
+    "foo.com:5000/x",
+    "x.TAR",
+    " alpine",
+    "alpine:t t",
+    "a:b:c",
+    "localhost/x",
+    "[::1]/x",
+]
+
+
+def image_reference_exchange(socket_path: str) -> list:
+    """Each of REFUSED_IMAGES and LOCAL_IMAGES created (blocked, and with
+    an allow list) and started on a serve: (request, status, content
+    type, body) for the create and the start, createdAt masked."""
+    answers = []
+    machines = "/api/v1/machines"
+    egress = [{}, {"allowedHosts": ["pypi.org"]}]
+    for i, image in enumerate(REFUSED_IMAGES + LOCAL_IMAGES):
+        for j, more in enumerate(egress):
+            name = f"iti{i}-{j}"
+            steps = [
+                ("POST", machines, {"name": name, "image": image, **more})
+            ]
+            steps.append(("POST", f"{machines}/{name}/start", None))
+            steps.append(("DELETE", f"{machines}/{name}", None))
+            for method, path, body in steps:
+                status, ctype, text = send_raw(socket_path, method, path, body)
+                text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+                answers.append(
+                    (f"{method} {path} {body!r}", status, ctype, text)
+                )
+    return answers
+
+
+def image_fetch_answers(socket_path: str) -> list:
+    """The start's error of each of ACCEPTED_IMAGES on a serve (a host
+    without DNS fails the fetch itself)."""
+    answers = []
+    for i, image in enumerate(ACCEPTED_IMAGES):
+        name = f"ita{i}"
+        body = {"name": name, "image": image}
+        send_raw(socket_path, "POST", "/api/v1/machines", body)
+        path = f"/api/v1/machines/{name}/start"
+        answers.append(send_raw(socket_path, "POST", path)[2])
+        send_raw(socket_path, "DELETE", f"/api/v1/machines/{name}")
+    return answers
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServeImageReferenceIntegration(unittest.TestCase):
+    """Image references on a real serve, byte for byte against the
+    fake's: the refusals of a create and of the first start, and the
+    error create-machine gives for one, with the next step it adds."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+        with real_serve(cls.tmp, raw_base(f"{cls.tmp}/cache")) as socket_path:
+            cls.real = image_reference_exchange(socket_path)
+            cls.real_fetches = image_fetch_answers(socket_path)
+            cls.real_tool = asyncio.run(
+                tool_image_errors(f"{cls.tmp}/real-tool", socket_path)
+            )
+        fake_socket = f"{cls.tmp}/fake.sock"
+        with FakeSmolvm(fake_socket):
+            cls.fake = image_reference_exchange(fake_socket)
+            cls.fake_tool = asyncio.run(
+                tool_image_errors(f"{cls.tmp}/fake-tool", fake_socket)
+            )
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_every_answer_is_the_real_serves_byte_for_byte(self):
+        self.assertEqual(len(self.fake), len(self.real))
+        for real, fake in zip(self.real, self.fake):
+            with self.subTest(request=real[0]):
+                self.assertEqual(fake, real)
+
+    def test_the_refusals_are_the_ones_probed_for(self):
+        starts = [a for a in self.real if a[0].endswith("/start None")]
+        for answer in starts[: len(REFUSED_IMAGES) * 2]:
+            with self.subTest(request=answer[0]):
+                self.assertEqual(answer[1], 500)
+                self.assertRegex(
+                    answer[3], "bad reference: |builder error: invalid"
+                )
+
+    def test_what_the_engine_goes_on_to_fetch_the_fake_accepts(self):
+        for image, answer in zip(ACCEPTED_IMAGES, self.real_fetches):
+            with self.subTest(image=image):
+                self.assertIn("HTTP request failed: error sending", answer)
+                self.assertIsNone(image_reference_refusal(image))
+
+    def test_create_machine_says_the_same_and_what_to_do(self):
+        self.assertEqual(self.fake_tool, self.real_tool)
+        for text in self.real_tool:
+            self.assertIn("bad reference: ", text)
+            self.assertIn("python:3.12-alpine", text)
+            self.assertIn("smolvm config registries edit", text)
+
+
+async def tool_image_errors(tmp: str, socket_path: str) -> list:
+    """What create-machine and run-once answer for a bad reference on the
+    serve at ``socket_path``."""
+    os.makedirs(tmp)
+    config = fake_config(tmp, socket_path)
+    app = SmolMcp(config)
+    texts = []
+    async with Client(app.server, mode="legacy") as c:
+        for tool, args in (
+            ("create-machine", {"name": "itbad", "image": "Not An Image!!"}),
+            ("run-once", {"image": "alpine:", "command": "true"}),
+        ):
+            is_error, text = result_of(await c.call_tool(tool, args))
+            texts.append(re.sub(r"mcp-[0-9a-f]{8}", "mcp-x", text))
+    return texts
+
+
 def connects(address: str, port: int) -> bool:
     """Whether something accepts a TCP connection at (address, port)."""
     try:
@@ -13735,6 +14739,137 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s")
         time.sleep(0.05)
+
+
+class FakeImageReferenceTests(FakeServeRawCase):
+    """The fake refuses the image references the real serve refuses, at
+    the first start, in the serve's words (compared with a real serve by
+    RealServeImageReferenceIntegration); a create refuses local sources."""
+
+    def start_of(self, image, **more):
+        body = {"name": "img", "image": image, **more}
+        self.ok("POST", "/api/v1/machines", body)
+        try:
+            return self.send("POST", "/api/v1/machines/img/start")
+        finally:
+            self.send("DELETE", "/api/v1/machines/img")
+
+    def test_a_bad_reference_is_refused_at_start_with_the_engines_text(self):
+        bad = "config operation failed: image-auth: bad reference: "
+        observed = {
+            "Not An Image!!": bad + "invalid repository component (path "
+            "traversal or disallowed characters)",
+            "alpine:": bad + "empty tag",
+            ":tag": bad + "empty name",
+            "alpine@sha256:short": bad + "digest has 5 hex chars, expected 64",
+            "a/b/c:d": bad
+            + "first component 'a' doesn't look like a registry hostname",
+            "a@b": bad
+            + "unsupported digest algorithm in 'b': only sha256 is supported",
+            "foo.com//x": bad
+            + "empty repository component (check for double slashes)",
+            "foo.com:99999/x": "HTTP request failed: builder error: invalid "
+            "port number",
+        }
+        for image, text in observed.items():
+            for more in ({}, {"allowedHosts": ["pypi.org"]}):
+                with self.subTest(image=image, more=more):
+                    self.assertEqual(
+                        self.start_of(image, **more),
+                        (500, {"error": text, "code": "INTERNAL_ERROR"}),
+                    )
+
+    def test_a_reference_the_engine_fetches_boots(self):
+        for image in ("alpine", "UPPER/case", "a" * 300, "foo.com:5000/x"):
+            with self.subTest(image=image):
+                status, record = self.start_of(image)
+                self.assertEqual((status, record["state"]), (200, "running"))
+
+    def test_a_local_source_is_refused_at_create(self):
+        disabled = (
+            "local images are disabled on this server; start `smolvm "
+            "serve` with --local-image-dir to accept archives and rootfs "
+            "directories under it"
+        )
+        observed = {
+            "x.tar.gz": disabled,
+            "x.tgz": disabled,
+            "a:/x": disabled,
+            "-": "image '-' requires CLI stdin; give the API a server-local "
+            "archive path",
+            "file:///abs": "`file://` is not a supported prefix; give the "
+            "path directly: `/abs`",
+        }
+        for image, text in observed.items():
+            with self.subTest(image=image):
+                self.refused(
+                    "POST",
+                    "/api/v1/machines",
+                    {"name": "img", "image": image},
+                    400,
+                    text,
+                )
+
+    def test_a_pull_of_a_bad_reference_is_refused(self):
+        self.ok("POST", "/api/v1/machines", {"name": "p", "image": "alpine"})
+        self.ok("POST", "/api/v1/machines/p/start")
+        self.assertEqual(
+            self.send(
+                "POST", "/api/v1/machines/p/images/pull", {"image": ":"}
+            ),
+            (
+                500,
+                {
+                    "error": "config operation failed: image-auth: bad "
+                    "reference: empty tag",
+                    "code": "INTERNAL_ERROR",
+                },
+            ),
+        )
+
+
+class ImageReferenceHintTests(FakeServeCase):
+    """The engine's image error, with what a reference looks like and
+    what else may be wrong, from create-machine, run-once and pull-image;
+    nothing is left behind."""
+
+    async def test_each_tool_adds_the_next_step_to_the_engines_words(self):
+        calls = (
+            ("create-machine", {"name": "bad", "image": "Not An Image!!"}),
+            ("run-once", {"image": "alpine:", "command": "true"}),
+        )
+        for mode in MODES:
+            async with self.client(mode) as c:
+                for tool, args in calls:
+                    with self.subTest(mode=mode, tool=tool):
+                        text = await self.refused(c, tool, args)
+                        self.assertIn("bad reference: ", text)
+                        self.assertIn("python:3.12-alpine", text)
+                        self.assertIn("pull-image {name, image}", text)
+                        self.assertIn("smolvm config registries edit", text)
+                        self.assertEqual(self.fake.machines, {})
+
+    async def test_pull_image_adds_it_too(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "pl", "image": "alpine"}
+            )
+            text = await self.refused(
+                c, "pull-image", {"name": "pl", "image": "alpine@sha256:1"}
+            )
+        self.assertIn("digest has 1 hex chars, expected 64", text)
+        self.assertIn("[registry/][namespace/]name[:tag]", text)
+        self.assertIn("smolvm config registries edit", text)
+        # pointing pull-image at itself would say nothing
+        self.assertNotIn("pull-image {name, image}", text)
+
+    async def test_other_start_failures_get_no_image_hint(self):
+        self.fake.boot = "fail"
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c, "create-machine", {"name": "bad", "image": "alpine"}
+            )
+        self.assertNotIn("image reference", text)
 
 
 class FakePoolCase(FakeServeRawCase):
@@ -16003,6 +17138,51 @@ class AgentAccessHttpTests(HttpCase):
         self.assertEqual(ok.status_code, 200)
 
 
+class PlainApiToolNameTests(HttpCase):
+    """An unknown tool name on the plain API says which of the caller's
+    own tools it was perhaps meant to be, and names none it may not use."""
+
+    async def call(self, secret: str, tool: str) -> tuple[int, dict]:
+        response = await self.raw(
+            "POST",
+            f"/api/tools/{tool}",
+            {"Authorization": f"Bearer {secret}"},
+            b"{}",
+        )
+        return response.status_code, response.json()
+
+    async def test_a_near_miss_is_named(self):
+        for slip, meant in (
+            ("run_command", "run-command"),
+            ("list-machine", "list-machines"),
+            ("createmachine", "create-machine"),
+        ):
+            with self.subTest(slip=slip):
+                status, answer = await self.call(HTTP_TOKEN, slip)
+                self.assertEqual(status, 404)
+                self.assertEqual(
+                    answer["error"],
+                    f"there is no tool named {slip!r} (did you mean "
+                    f'"{meant}"?); GET /api/tools lists yours',
+                )
+
+    async def test_no_guess_for_a_far_name_or_a_tool_not_granted(self):
+        status, answer = await self.call(HTTP_TOKEN, "xyzzy")
+        self.assertEqual(status, 404)
+        self.assertNotIn("did you mean", answer["error"])
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        _, reader = store.create(
+            "look",
+            smol_mcp.parse_scopes("machines.read"),
+            tuple(smol_mcp.FLEETS),
+            "none",
+        )
+        # delete-machine is not the reader's: never suggested to it
+        status, answer = await self.call(reader, "delete_machine")
+        self.assertEqual(status, 404)
+        self.assertNotIn("delete-machine", answer["error"])
+
+
 class PlainApiTests(HttpCase):
     """POST /api/tools/NAME and GET /api/tools: the same tools, scopes,
     ownership, approvals, limits and activity log as the MCP endpoint, without
@@ -17148,6 +18328,38 @@ class OAuthTests(OAuthCase):
                 (401, "Bearer"),
                 path,
             )
+
+
+class PageTitleTests(OAuthCase):
+    """Every page a browser can reach has a <title>: the server's own
+    pages, and the answer for a path or method they do not have."""
+
+    async def test_every_page_has_a_title_and_the_pages_policy(self):
+        import httpx2
+
+        http = httpx2.AsyncClient(base_url=self.base, timeout=30)
+        self.addAsyncCleanup(http.aclose)
+        for path, status, title in (
+            ("/signin", 200, "Sign in"),
+            ("/signin?hop=1&link=x", 200, "Sign in"),
+            ("/console/nope", 404, "No such page"),
+            ("/console/approvals/1/more", 404, "No such page"),
+            ("/signout", 405, "Not a page to open"),
+            ("/token", 405, "Not a page to open"),
+        ):
+            with self.subTest(path=path):
+                page = await http.get(path)
+                self.assertEqual(page.status_code, status)
+                self.assertTrue(
+                    page.headers["content-type"].startswith("text/html")
+                )
+                self.assertIn(f"<title>{title} - smol-mcp</title>", page.text)
+                self.assertIn(
+                    "default-src 'none'",
+                    page.headers["content-security-policy"],
+                )
+                if status == 405:
+                    self.assertIn("POST", page.headers["allow"])
 
 
 class SignInTests(OAuthCase):
@@ -20452,6 +21664,83 @@ class ApprovalViaClientTests(FakeServeCase):
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class ApprovalReviewLinkTests(HttpCase):
+    """A held call names the console's page only when someone can open
+    it (an operator password or link exists); before that, the commands
+    on the host."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        _, self.secret = store.create(
+            "held",
+            smol_mcp.parse_scopes("machines.manage,machines.read"),
+            tuple(smol_mcp.FLEETS),
+            "changes",
+        )
+
+    async def held_messages(self, name: str) -> list[str]:
+        """The progress of a held create-machine, answered from the host
+        once it waits."""
+        told = []
+
+        async def on_progress(done, total, message):
+            told.append(message)
+
+        agent = {"Authorization": f"Bearer {self.secret}"}
+        async with self.http_client("legacy", headers=agent) as c:
+            call = asyncio.create_task(
+                c.call_tool(
+                    "create-machine",
+                    {"name": name, "image": "alpine", "start": False},
+                    progress_callback=on_progress,
+                )
+            )
+            await wait_until(
+                lambda: [m for m in told if "waits for a person" in m],
+                10,
+                "the call says it waits",
+            )
+            [held] = self.app.access.desk.pending()
+            smol_mcp.answer_approval(self.config, held["id"], True, None)
+            self.assertFalse(result_of(await call)[0])
+        return [m for m in told if "waits for a person" in m]
+
+    async def test_no_console_link_before_an_operator_password(self):
+        [said, *_] = await self.held_messages("first")
+        self.assertNotIn("/console/", said)
+        self.assertIn("approvals approve ", said)
+        self.assertIn("`approvals list` shows what it asks", said)
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            "a long enough password"
+        )
+        [said, *_] = await self.held_messages("second")
+        self.assertIn(f"or answer at {self.base()}/console/approvals/", said)
+        self.assertIn("approvals approve ", said)
+
+    async def test_a_live_sign_in_link_makes_the_console_reachable(self):
+        smol_mcp.Operator(self.config.state_dir).new_link()
+        [said, *_] = await self.held_messages("linked")
+        self.assertIn(f"{self.base()}/console/approvals/", said)
+
+    async def test_the_webhook_has_no_review_link_without_a_password(self):
+        received = []
+        hook = webhook_receiver(
+            lambda path, body: received.append(json.loads(body))
+        )
+        self.addCleanup(hook.shutdown)
+        url = f"http://127.0.0.1:{hook.server_port}/hook"
+        self.app.config = dataclasses_replace(
+            self.app.config, approval_webhook=url
+        )
+        await self.held_messages("hooked")
+        await wait_until(lambda: received, 10)
+        self.assertNotIn("review", received[0])
+
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
 class ApprovalHttpTests(HttpCase):
     async def asyncSetUp(self):
         await super().asyncSetUp()
@@ -20583,6 +21872,94 @@ class ApprovalHttpTests(HttpCase):
 
 
 PHONE, DESKTOP = {"width": 390, "height": 844}, {"width": 1280, "height": 900}
+
+
+@unittest.skipUnless(
+    os.path.exists(CHROMIUM),
+    f"no Chromium at {CHROMIUM} (apt-get install chromium)",
+)
+class ConsoleAnswerButtonTests(HttpCase):
+    """Approve and Reject look unlike each other in Chromium (colour and
+    label), within the page's CSP."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        from playwright.async_api import async_playwright
+
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            OPERATOR_PASSWORD
+        )
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        scopes = smol_mcp.parse_scopes("machines.manage,machines.read")
+        self.held = store.create(
+            "held", scopes, tuple(smol_mcp.FLEETS), "changes"
+        )[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.playwright = await async_playwright().start()
+        self.browser = await self.playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
+        )
+
+    async def asyncTearDown(self):
+        await self.browser.close()
+        await self.playwright.stop()
+        await super().asyncTearDown()
+
+    async def test_approve_and_reject_differ_in_colour_and_label(self):
+        args = {"name": "btn", "image": "alpine", "start": False}
+        agent = {"Authorization": f"Bearer {self.held}"}
+        call = asyncio.create_task(
+            self.raw(
+                "POST",
+                "/api/tools/create-machine",
+                agent,
+                json.dumps(args).encode(),
+            )
+        )
+        await wait_until(self.app.access.desk.pending, 10, "the call waits")
+        page = await self.browser.new_page(viewport=PHONE)
+        refused = []
+        page.on(
+            "console",
+            lambda message: (
+                refused.append(message.text)
+                if "Content Security Policy" in message.text
+                else None
+            ),
+        )
+        await page.goto(self.base + "/console")
+        await page.wait_for_url("**hop=1")
+        await page.get_by_label("Password").fill(OPERATOR_PASSWORD)
+        async with page.expect_navigation():
+            await page.get_by_role("button", name="Sign in").click()
+        approve = page.get_by_role("button", name="Approve", exact=True)
+        reject = page.get_by_role("button", name="Reject: do not run it")
+        looks = []
+        for button in (approve, reject):
+            looks.append(
+                await button.evaluate(
+                    "b => { const s = getComputedStyle(b);"
+                    " return [s.backgroundColor, s.color, s.borderColor,"
+                    " b.innerText]; }"
+                )
+            )
+        await page.screenshot(
+            path=screenshot(self.tmp, "answer-buttons.png"), full_page=True
+        )
+        (approve_bg, approve_fg, _, approve_text) = looks[0]
+        (reject_bg, reject_fg, reject_border, reject_text) = looks[1]
+        self.assertEqual(approve_bg, "rgb(26, 127, 55)")
+        self.assertEqual(reject_fg, "rgb(176, 0, 32)")
+        self.assertEqual(reject_border, "rgb(176, 0, 32)")
+        self.assertNotEqual(approve_bg, reject_bg)
+        self.assertNotEqual(approve_fg, reject_fg)
+        self.assertEqual(approve_text, "\u2713 Approve")
+        self.assertEqual(reject_text, "\u2717 Reject: do not run it")
+        self.assertEqual(refused, [])
+        await approve.click()
+        self.assertEqual((await call).status_code, 200)
 
 
 @unittest.skipUnless(
