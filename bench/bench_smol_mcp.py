@@ -1711,7 +1711,8 @@ class Bench:
         the machine hits both alike. The ratios are the median over the
         rounds of ours to the SDK's. In the 2026-07-28 era the bare SDK
         server is also run in two processes on one socket: what a second
-        process gives it on this machine.
+        process gives it on this machine. With --baseline, the earlier
+        smol_mcp.py takes its turn too ("before").
         """
         rounds = 3 if self.quick else 5
         seconds = 2.0 if self.quick else 4.0
@@ -1724,6 +1725,9 @@ class Bench:
         ours = self.spawn_http()
         sdk = self.spawn_http(minimal=True)
         sdk_twice = self.spawn_http(minimal=True, processes=2)
+        spawned = [ours, sdk, sdk_twice]
+        if self.baseline:
+            spawned.append(self.spawn_http(server=self.baseline))
         get = ("get-machine", {"name": self.machine})
         echo = ("echo", {"text": "x"})
         try:
@@ -1734,10 +1738,12 @@ class Bench:
                 }
                 if era == MODERN:
                     servers["sdk x2"] = (*sdk_twice, anonymous, echo)
+                if self.baseline:
+                    servers["before"] = (*spawned[3], tokens, get)
                 taken = self.throughput_rounds(servers, peer, rounds, seconds)
                 self.throughput_rows(era, taken)
         finally:
-            for proc, _ in (ours, sdk, sdk_twice):
+            for proc, _ in spawned:
                 self.stop_child(proc)
 
     def agent_tokens(self, count: int) -> list[str]:
@@ -1891,6 +1897,18 @@ class Bench:
             "-",
             "INFO",
         )
+        if "before" in taken:
+            before = rates("before")
+            then = median([a / b for a, b in zip(before, sdk)])
+            self.row(
+                f"{name}, the baseline (before), one process",
+                f"{median(before):.0f} calls/s",
+                f"{median(sdk):.0f} calls/s SDK",
+                f"{then:.2f}x; p99 {ms(median(tails('before')))}; CPU"
+                f" {ms(cpu('before'))} a call",
+                "-",
+                "INFO",
+            )
         if "sdk x2" not in taken:
             return
         twice = rates("sdk x2")
