@@ -2544,49 +2544,43 @@ class ToolRuleTests(FakeServeCase):
                 if page["eof"]:
                     break
             self.assertEqual(got, "é".encode() * 3000)
-            saved = smol_mcp.RANGE_READ_MIN_OFFSET
-            smol_mcp.RANGE_READ_MIN_OFFSET = (
-                1000  # deep pages are cut in the guest
+            # every page is cut in the guest, deep ones too
+            os.symlink("/data.bin", root / "link.bin")
+            linked = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": "/link.bin",
+                    "encoding": "base64",
+                    "offset": 2000,
+                    "length": 10,
+                },
             )
-            try:
-                os.symlink("/data.bin", root / "link.bin")
-                linked = await self.ok(
-                    c,
-                    "read-file",
-                    {
-                        "name": name,
-                        "path": "/link.bin",
-                        "encoding": "base64",
-                        "offset": 2000,
-                        "length": 10,
-                    },
-                )
-                self.assertEqual(
-                    (linked["size"], base64.b64decode(linked["content"])),
-                    (10240, (bytes(range(256)) * 40)[2000:2010]),
-                )  # the target's size, not the link's
-                self.fake.requests.clear()
-                deep = await self.ok(
-                    c,
-                    "read-file",
-                    {
-                        "name": name,
-                        "path": "/data.bin",
-                        "encoding": "base64",
-                        "offset": 5000,
-                        "length": 1000,
-                    },
-                )
-                self.assertEqual(
-                    base64.b64decode(deep["content"]),
-                    (bytes(range(256)) * 40)[5000:6000],
-                )
-                self.assertEqual((deep["size"], deep["eof"]), (10240, False))
-                self.assertFalse(
-                    [r for r in self.fake.requests if "/files/" in r[1]]
-                )  # no download from byte 0
-            finally:
-                smol_mcp.RANGE_READ_MIN_OFFSET = saved
+            self.assertEqual(
+                (linked["size"], base64.b64decode(linked["content"])),
+                (10240, (bytes(range(256)) * 40)[2000:2010]),
+            )  # the target's size, not the link's
+            self.fake.requests.clear()
+            deep = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": "/data.bin",
+                    "encoding": "base64",
+                    "offset": 5000,
+                    "length": 1000,
+                },
+            )
+            self.assertEqual(
+                base64.b64decode(deep["content"]),
+                (bytes(range(256)) * 40)[5000:6000],
+            )
+            self.assertEqual((deep["size"], deep["eof"]), (10240, False))
+            self.assertFalse(
+                [r for r in self.fake.requests if "/files/" in r[1]]
+            )  # no download from byte 0
             past = await self.ok(
                 c,
                 "read-file",
@@ -4553,7 +4547,9 @@ class ThirdFleet:
         self.machines[spec.name] = self.record(spec.name, "created")
         return dict(self.machines[spec.name])
 
-    def start_machine(self, name: str, branchable: bool = False) -> dict:
+    def start_machine(
+        self, name: str, branchable: bool = False, mounts=None
+    ) -> dict:
         raise smol_mcp.SmolError(self.RUNS_NOTHING)
 
     def stop_machine(self, name: str) -> dict:
