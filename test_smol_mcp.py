@@ -8891,6 +8891,101 @@ class MountRootTests(FakeServeCase):
         self.assertIn("/work (read-write on request)", line)
 
 
+class MountRecheckAtStartTests(FakeServeCase):
+    """A start reads a machine for its mounts unless the call that created
+    it knows them; either way each source is checked again before the
+    engine starts it, so a source swapped for a symlink is refused."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.share = Path(self.tmp, "home", "share")
+        (self.share / "sub").mkdir(parents=True)
+        roots = (f"{self.share}:rw",)
+        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=roots))
+        self.mount = {
+            "source": f"{self.share}/sub",
+            "target": "/sub",
+            "readonly": False,
+        }
+
+    def swap(self) -> None:
+        """What a guest with the share writable can do."""
+        (self.share / "sub").rmdir()
+        (self.share / "sub").symlink_to("/")
+
+    def sent_since(self, before: int) -> list:
+        return [r[:2] for r in self.fake.requests[before:]]
+
+    async def test_a_machine_without_mounts_is_created_and_started_unread(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            # the first local call checks the serve once
+            await self.ok(c, "list-machines", {})
+            before = len(self.fake.requests)
+            await self.ok(
+                c, "create-machine", {"name": "mr-0", "image": "alpine"}
+            )
+            self.assertEqual(
+                self.sent_since(before),
+                [
+                    ("POST", "/api/v1/machines"),
+                    ("POST", "/api/v1/machines/mr-0/start"),
+                    ("POST", "/api/v1/machines/mr-0/exec"),
+                ],
+            )
+
+    async def test_a_source_swapped_during_the_create_is_refused_its_start(
+        self,
+    ):
+        create = smol_mcp.LocalFleet.create_machine
+
+        def create_then_swap(fleet, spec):
+            record = create(fleet, spec)
+            self.swap()
+            return record
+
+        args = {"name": "mr-1", "image": "alpine", "mounts": [self.mount]}
+        async with self.client("legacy") as c:
+            with unittest.mock.patch.object(
+                smol_mcp.LocalFleet, "create_machine", create_then_swap
+            ):
+                text = await self.refused(c, "create-machine", args)
+        self.assertIn("could not start machine 'mr-1'", text)
+        self.assertIn("resolves to /,", text)
+        self.assertEqual(self.requests_to("/start"), [])
+        self.assertNotIn("mr-1", self.fake.machines)
+
+    async def test_a_stopped_machine_with_mounts_is_read_and_refused(self):
+        args = {"name": "mr-2", "image": "alpine", "mounts": [self.mount]}
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", args)
+            await self.ok(c, "stop-machine", {"name": "mr-2"})
+            self.swap()
+            starts = len(self.requests_to("/start"))
+            for tool, more in (
+                ("write-file", {"path": "/root/f", "content": "x"}),
+                ("read-file", {"path": "/root/f"}),
+                ("start-machine", {}),
+            ):
+                with self.subTest(tool=tool):
+                    before = len(self.fake.requests)
+                    text = await self.refused(
+                        c, tool, {"name": "mr-2", **more}
+                    )
+                    self.assertIn("could not start machine 'mr-2'", text)
+                    self.assertIn("resolves to /,", text)
+                    self.assertIn(
+                        ("GET", "/api/v1/machines/mr-2"),
+                        self.sent_since(before),
+                    )
+                    self.assertFalse(
+                        [r for r in self.fake.requests if "/files/" in r[1]]
+                    )
+        self.assertEqual(len(self.requests_to("/start")), starts)
+        self.assertEqual(self.fake.machines["mr-2"]["state"], "stopped")
+
+
 TRAVERSALS = (
     "/../../../../account",
     "/../../../../x",
@@ -21235,6 +21330,141 @@ class CloudPauseRuleTests(FakeCloudCase):
                 ("POST", f"{machine}/exec"),
             ],
         )
+
+
+class FileWakeScenarios:
+    """read-file and write-file on a machine that does not run: a stopped
+    one started, a paused one resumed, each said in the result; a missing
+    one refused with a sentence (the classes below run them on both
+    fleets)."""
+
+    fleet = "local"
+
+    def engine_state(self, name: str) -> str:
+        if self.fleet == "cloud":
+            return self.by_name(name)["state"]
+        return self.fake.machines[name]["state"]
+
+    async def made(self, c, name: str) -> str:
+        await self.ok(c, "create-machine", {"name": name, "image": "alpine"})
+        wrote = await self.ok(
+            c, "write-file", {"name": name, "path": "/root/f", "content": "k"}
+        )
+        self.assertEqual(
+            (wrote["startedMachine"], wrote["resumedMachine"]), (False, False)
+        )
+        return name
+
+    async def test_a_stopped_machine_is_started_by_a_read_and_a_write(self):
+        read = {"name": "fw-1", "path": "/root/f"}
+        write = {"name": "fw-1", "path": "/root/g", "content": "new"}
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-1")
+            for tool, args in (("read-file", read), ("write-file", write)):
+                with self.subTest(tool=tool):
+                    await self.ok(c, "stop-machine", {"name": "fw-1"})
+                    self.assertNotIn(self.engine_state("fw-1"), ("running",))
+                    woke = await self.ok(c, tool, args)
+                    self.assertEqual(
+                        (woke["startedMachine"], woke["resumedMachine"]),
+                        (True, False),
+                    )
+                    self.assertEqual(self.engine_state("fw-1"), "running")
+                    again = await self.ok(c, tool, args)
+                    self.assertFalse(again["startedMachine"])
+            self.assertEqual(woke["bytes"], 3)
+            got = await self.ok(
+                c, "read-file", {"name": "fw-1", "path": "/root/g"}
+            )
+            self.assertEqual(
+                (got["content"], got["startedMachine"]), ("new", False)
+            )
+
+    async def test_a_paused_machine_is_resumed_by_a_read_and_a_write(self):
+        read = {"name": "fw-2", "path": "/root/f"}
+        write = {"name": "fw-2", "path": "/root/f", "content": "k"}
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-2")
+            for tool, args in (("read-file", read), ("write-file", write)):
+                with self.subTest(tool=tool):
+                    await self.ok(c, "pause-machine", {"name": "fw-2"})
+                    woke = await self.ok(c, tool, args)
+                    self.assertEqual(
+                        (woke["resumedMachine"], woke["startedMachine"]),
+                        (True, False),
+                    )
+                    self.assertEqual(self.engine_state("fw-2"), "running")
+            self.assertEqual(
+                (await self.ok(c, "read-file", read))["content"], "k"
+            )
+
+    async def test_a_missing_machine_is_refused_with_a_sentence(self):
+        calls = {
+            "read-file": {"path": "/root/f"},
+            "write-file": {"path": "/root/f", "content": "x"},
+            "start-machine": {},
+        }
+        async with self.client("legacy") as c:
+            for tool, args in calls.items():
+                with self.subTest(tool=tool):
+                    text = await self.refused(
+                        c, tool, {"name": "fw-none", **args}
+                    )
+                    self.assertIn("'fw-none' not found", text)
+                    self.assertTrue(
+                        text.endswith("Check the name with list-machines"),
+                        text,
+                    )
+        self.assertEqual(self.starts(), [])
+
+    def starts(self) -> list:
+        if self.fleet == "cloud":
+            return self.cloud_requests("/start")
+        return self.requests_to("/start")
+
+
+class LocalFileWakeTests(FileWakeScenarios, FakeServeCase):
+    async def test_a_stopped_machine_is_read_only_after_its_start(self):
+        """The files route would boot a stopped machine itself, unsaid and
+        past the mount check: a read asks a command first, which does
+        not."""
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-3")
+            await self.ok(c, "stop-machine", {"name": "fw-3"})
+            before = len(self.fake.requests)
+            await self.ok(c, "read-file", {"name": "fw-3", "path": "/root/f"})
+            sent = [r[:2] for r in self.fake.requests[before:]]
+        machine = "/api/v1/machines/fw-3"
+        self.assertEqual(
+            sent,
+            [
+                ("POST", f"{machine}/exec"),  # refused: not running
+                ("GET", machine),  # the start reads it: its mounts
+                ("POST", f"{machine}/start"),
+                ("POST", f"{machine}/exec"),  # the readiness probe
+                ("POST", f"{machine}/exec"),  # the page
+            ],
+        )
+
+    async def test_a_read_of_what_is_no_file_asks_the_files_route(self):
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-4")
+            for path, said in (("/root", "is a directory"), ("/nope", "")):
+                with self.subTest(path=path):
+                    before = len(self.fake.requests)
+                    text = await self.refused(
+                        c, "read-file", {"name": "fw-4", "path": path}
+                    )
+                    self.assertIn(said or "Check the path", text)
+                    sent = [r[:2] for r in self.fake.requests[before:]]
+                    self.assertEqual(
+                        [method for method, _ in sent], ["POST", "GET"]
+                    )
+                    self.assertIn(f"/files{path}", sent[1][1])
+
+
+class CloudFileWakeTests(FileWakeScenarios, FakeCloudCase):
+    fleet = "cloud"
 
 
 class PauseOverHttpTests(HttpCase):
