@@ -12708,6 +12708,24 @@ def warm_machine_steps() -> list:
     ]
 
 
+def not_running_steps() -> list:
+    """The first requests of read-file, write-file and start-machine to a
+    machine that does not run (`itw-a`, never started) and to one that
+    does not exist: a command with autoStart false (read-file's page,
+    write-file's readiness probe), the files routes, a start. (A files
+    request or a start to `itw-a` would boot it: none is sent.)"""
+    machines = "/api/v1/machines"
+    probe = {"command": ["true"], "timeoutSecs": 10, "autoStart": False}
+    raw = "application/octet-stream"
+    return [
+        ("POST", f"{machines}/itw-a/exec", probe),
+        ("POST", f"{machines}/itw-none/exec", probe),
+        ("GET", f"{machines}/itw-none/files/root/f", None),
+        ("PUT", f"{machines}/itw-none/files/root/f", b"x", raw),
+        ("POST", f"{machines}/itw-none/start", None),
+    ]
+
+
 def cache_disk_steps() -> list:
     """Requests to create with a cacheDisk, publish and delete bases, with
     no guest needed (the cache dir holds a raw `base1.raw`)."""
@@ -12881,7 +12899,12 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
     status, content type, body) for each, with createdAt, the settling
     state and the cache directory masked."""
     answers = []
-    steps = warm_machine_steps() + cache_disk_steps() + pool_steps()
+    steps = (
+        warm_machine_steps()
+        + not_running_steps()
+        + cache_disk_steps()
+        + pool_steps()
+    )
     for step in steps:
         method, path, body = step[:3]
         content_type = step[3] if len(step) > 3 else None
@@ -13043,6 +13066,30 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
                 '"code":"CONFLICT"}',
             ),
         )
+        probe = (
+            "POST /api/v1/machines/itw-a/exec {'command': ['true'], "
+            "'timeoutSecs': 10, 'autoStart': False}"
+        )
+        self.assertEqual(
+            by_request[probe],
+            (
+                409,
+                "application/json",
+                '{"error":"machine is not running and autoStart is false",'
+                '"code":"CONFLICT"}',
+            ),
+        )
+        missing = (
+            404,
+            "application/json",
+            '{"error":"machine \'itw-none\' not found","code":"NOT_FOUND"}',
+        )
+        files = [
+            answer
+            for request, answer in by_request.items()
+            if "/itw-none/files/" in request
+        ]
+        self.assertEqual(files, [missing, missing])
         empty = "POST /api/v1/pools/itw-p/leases {'idempotencyKey': 'k1'}"
         self.assertEqual(by_request[empty][0], 404)
         gone = "DELETE /api/v1/cache-bases/never.raw None"
