@@ -8985,6 +8985,29 @@ class MountRecheckAtStartTests(FakeServeCase):
         self.assertEqual(len(self.requests_to("/start")), starts)
         self.assertEqual(self.fake.machines["mr-2"]["state"], "stopped")
 
+    async def test_a_start_given_its_mounts_still_refuses_a_paused_machine(
+        self,
+    ):
+        """Unread, a machine paused meanwhile is told by the engine's own
+        refusal of the start."""
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "mr-3", "image": "alpine"}
+            )
+            await self.ok(c, "pause-machine", {"name": "mr-3"})
+        before = len(self.fake.requests)
+        with self.assertRaises(smol_mcp.Paused) as caught:
+            await asyncio.to_thread(
+                self.app.local.start_machine, "mr-3", mounts=[]
+            )
+        self.assertTrue(str(caught.exception).startswith("machine 'mr-3'"))
+        self.assertIn("resume-machine resumes it", str(caught.exception))
+        self.assertEqual(
+            self.sent_since(before),
+            [("POST", "/api/v1/machines/mr-3/start")],
+        )
+        self.assertEqual(self.fake.machines["mr-3"]["state"], "paused")
+
 
 TRAVERSALS = (
     "/../../../../account",
@@ -21452,8 +21475,10 @@ class FileWakeScenarios:
             "start-machine": {},
         }
         async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
             for tool, args in calls.items():
                 with self.subTest(tool=tool):
+                    before = len(self.journal())
                     text = await self.refused(
                         c, tool, {"name": "fw-none", **args}
                     )
@@ -21462,7 +21487,14 @@ class FileWakeScenarios:
                         text.endswith("Check the name with list-machines"),
                         text,
                     )
+                    # the first answer says so: nothing more is asked
+                    self.assertEqual(len(self.journal()) - before, 1)
         self.assertEqual(self.starts(), [])
+
+    def journal(self) -> list:
+        if self.fleet == "cloud":
+            return self.cloud.requests
+        return self.fake.requests
 
     def starts(self) -> list:
         if self.fleet == "cloud":
