@@ -21405,8 +21405,8 @@ class CloudPauseRuleTests(FakeCloudCase):
 class FileWakeScenarios:
     """read-file and write-file on a machine that does not run: a stopped
     one started, a paused one resumed, each said in the result; a missing
-    one refused with a sentence (the classes below run them on both
-    fleets)."""
+    one refused with a sentence, as by start-machine, which leaves a
+    running one as it is (the classes below run them on both fleets)."""
 
     fleet = "local"
 
@@ -21495,6 +21495,16 @@ class FileWakeScenarios:
         if self.fleet == "cloud":
             return self.cloud.requests
         return self.fake.requests
+
+    async def test_start_machine_leaves_a_running_machine_as_it_is(self):
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-5")
+            started = await self.ok(c, "start-machine", {"name": "fw-5"})
+            self.assertEqual(
+                (started["machine"]["state"], started["ready"]),
+                ("running", True),
+            )
+        self.assertEqual(len(self.starts()), 1)  # the create's own
 
     def starts(self) -> list:
         if self.fleet == "cloud":
