@@ -6455,18 +6455,22 @@ async def resume_and_wait(call: Call, name: str) -> tuple[dict, bool]:
     return record, resumed
 
 
-async def ready_or_woken(call: Call, name: str) -> str:
+async def ready_or_woken(call: Call, name: str, action: str) -> str:
     """Return once a command has run in machine ``name``, first starting
     a stopped one or resuming a paused one: what this call did,
     "started", "resumed" or "". A running one costs one probe, which
-    also tells a machine that does not run (a command never boots it)."""
+    also tells a machine that does not run (a command never boots it);
+    the refusal of a missing one names ``action``, what the probe is
+    for."""
     try:
         await call.api(call.fleet.exec, name, READY_PROBE, timeout_secs=10)
     except NotRunning as err:
         return await wake(call, name, err)
     except ApiError as err:
         if err.status == 404:
-            raise
+            raise ApiError(
+                err.fleet, action, err.status, err.code, err.api_message
+            ) from None
         # Up, but its guest not yet.
         await wait_until_ready(call, name)
     return ""
@@ -8150,7 +8154,8 @@ async def tool_write_file(call: Call, args: dict) -> dict:
             ) from None
     # Ready first: a file written before the workload's file system is up
     # would be mounted over.
-    woke = await ready_or_woken(call, name)
+    action = f"write {path} in machine '{name}'"
+    woke = await ready_or_woken(call, name, action)
     written = await call.api(call.fleet.write_file, name, path, data)
     return {
         "path": path,

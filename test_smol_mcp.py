@@ -21483,6 +21483,13 @@ class FileWakeScenarios:
                         c, tool, {"name": "fw-none", **args}
                     )
                     self.assertIn("'fw-none' not found", text)
+                    if self.fleet == "local" and tool != "start-machine":
+                        # what the call was for, not its first request (the
+                        # cloud's lookup says "find machine" for every tool)
+                        verb = tool.split("-")[0]
+                        self.assertIn(
+                            f"refused to {verb} /root/f in machine", text
+                        )
                     self.assertTrue(
                         text.endswith("Check the name with list-machines"),
                         text,
