@@ -980,7 +980,15 @@ class Fleet(Protocol):
     def get_machine(self, name: str) -> dict: ...
     def machine_state(self, name: str) -> str | None: ...
     def create_machine(self, spec: MachineSpec) -> dict: ...
-    def start_machine(self, name: str, branchable: bool = False) -> dict: ...
+    # A running machine is left as it is. ``mounts``: the ones the caller
+    # just created it with (the local fleet checks each source again at
+    # every start, reading the machine for them when they are not given).
+    def start_machine(
+        self,
+        name: str,
+        branchable: bool = False,
+        mounts: list[dict] | None = None,
+    ) -> dict: ...
     def stop_machine(self, name: str) -> dict: ...
     def delete_machine(self, name: str) -> dict: ...
     def branch_machine(self, name: str, child: str) -> dict: ...
@@ -1133,12 +1141,12 @@ PUBLISH_DEFAULT_ADDRESS = "127.0.0.1"
 PORTS_PER_MACHINE = 16
 # "Ready" means a command has actually run in the guest.
 READY_PROBE = ["true"]
-# Below this offset, streaming the file from its start is cheap enough.
-RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
 # $1 path, $2 offset, $3 length: the size, a newline, the page (-L: a link's
-# target).
+# target); anything but a file (or a link to one) fails, for the files
+# route to say what it is.
 RANGE_READ_SCRIPT = (
-    'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
+    '[ -f "$1" ] && stat -L -c %s "$1" && '
+    'tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 )
 
 
@@ -2416,10 +2424,16 @@ class LocalFleet(LocalServe):
 
     def recheck_mounts(self, name: str, action: str) -> dict:
         """The machine's MachineInfo; refuse ``action`` unless each mount
-        source still resolves under its root (a guest with a writable share
-        may have swapped in a symlink)."""
+        source still resolves under its root (check_mount_sources)."""
         machine = self._machine(action, "GET", _q(name))
-        for mount in machine.get("mounts") or []:
+        self.check_mount_sources(machine.get("mounts") or [], action)
+        return machine
+
+    def check_mount_sources(self, mounts: list[dict], action: str) -> None:
+        """Refuse ``action`` unless each of ``mounts`` (as MachineInfo has
+        them) has a source that still resolves under its root: a guest
+        with a writable share may have swapped in a symlink."""
+        for mount in mounts:
             want_write = mount.get("readonly") is False
             try:
                 contained_host_path(
@@ -2432,21 +2446,39 @@ class LocalFleet(LocalServe):
                     f"and now {err}. Restore the directory, or delete the "
                     "machine"
                 ) from None
-        return machine
 
-    def start_machine(self, name: str, branchable: bool = False) -> dict:
-        """Start ``name``; raise Paused for a paused one (the engine boots
-        only a machine without saved execution)."""
+    def start_machine(
+        self,
+        name: str,
+        branchable: bool = False,
+        mounts: list[dict] | None = None,
+    ) -> dict:
+        """Start ``name`` once each mount source is checked again; one
+        running already is left as it is. ``mounts``: the ones the caller
+        just created it with; else the machine is read for them. Raise
+        Paused for a paused one (the engine boots only a machine without
+        saved execution)."""
         action = f"start machine '{name}'"
-        if self.recheck_mounts(name, action).get("state") == "paused":
-            raise paused_refusal(name, "start-machine")
+        if mounts is None:
+            machine = self._machine(action, "GET", _q(name))
+            if machine.get("state") in RUNNING_STATES:
+                return local_record(machine)
+            if machine.get("state") == "paused":
+                raise paused_refusal(name, "start-machine")
+            mounts = machine.get("mounts") or []
+        self.check_mount_sources(mounts, action)
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
         route = f"{_q(name)}/start{query}"
         timeout = self.config.ready_timeout_secs + 60
-        return local_record(
-            self._machine(action, "POST", route, timeout=timeout)
-        )
+        try:
+            answer = self._machine(action, "POST", route, timeout=timeout)
+        except ApiError as err:
+            # Paused since it was read, or given mounts and not read.
+            if err.status == 409 and SAVED_EXECUTION in err.api_message:
+                raise paused_refusal(name, "start-machine") from None
+            raise
+        return local_record(answer)
 
     def stop_machine(self, name: str) -> dict:
         """Stop ``name``; raise Paused for a paused one, which the engine
@@ -2619,6 +2651,16 @@ class LocalFleet(LocalServe):
         """Run a command; raise NotRunning unless the machine runs (the
         engine would boot it silently)."""
         action = f"run a command in machine '{name}'"
+        return self._exec_for(action, name, argv, **options)
+
+    def _exec_for(
+        self,
+        action: str,
+        name: str,
+        argv: list[str],
+        **options: Unpack[ExecOptions],
+    ) -> ExecResult:
+        """``exec``, its refusals worded as ``action``."""
         body = local_exec_body(argv, **options)
         started = time.monotonic()
         try:
@@ -2792,25 +2834,31 @@ class LocalFleet(LocalServe):
     def read_file(
         self, name: str, path: str, offset: int, length: int
     ) -> FilePage:
-        """One page of a file. The API has no range, so a page deep into a
-        large file is cut in the guest (stat, tail, head); an image without
-        those streams the file, keeping only the page."""
-        if offset >= RANGE_READ_MIN_OFFSET:
-            page = self._page_cut_in_guest(name, path, offset, length)
-            if page is not None:
-                return page
+        """One page of a file, cut in the guest (stat, tail, head): the API
+        has no range, and a command, unlike the files route, never boots a
+        stopped machine (unchecked, and unsaid), so one request reads a
+        running machine's page and raises NotRunning for any other. An
+        image that cannot cut it streams the file, keeping only the page;
+        so does anything but a file, for the files route's own refusal."""
+        page = self._page_cut_in_guest(name, path, offset, length)
+        if page is not None:
+            return page
         return self._page_downloaded(name, path, offset, length)
 
     def _page_cut_in_guest(
         self, name: str, path: str, offset: int, length: int
     ) -> FilePage | None:
         """The page as RANGE_READ_SCRIPT cuts it in the guest; None when the
-        image cannot run it."""
+        image cannot run it, or ``path`` is no file. Raise NotRunning when
+        the machine does not run, ApiError when it is gone."""
         args = [path, str(offset), str(length)]
         argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", *args]
+        action = f"read {path} in machine '{name}'"
         try:
-            result = self.exec(name, argv, timeout_secs=120)
-        except ApiError:
+            result = self._exec_for(action, name, argv, timeout_secs=120)
+        except ApiError as err:
+            if err.status == 404:
+                raise
             # No shell in this image, say: the download still works.
             return None
         size_line, newline, data = bytes(result.stdout).partition(b"\n")
@@ -4203,12 +4251,25 @@ class CloudFleet:
         record = self.api.request(f"get machine '{name}'", "GET", route)
         return cloud_record(record)
 
-    def start_machine(self, name: str, branchable: bool = False) -> dict:
+    def start_machine(
+        self,
+        name: str,
+        branchable: bool = False,
+        mounts: list[dict] | None = None,
+    ) -> dict:
+        """Start ``name``; one running already is left as it is. Raise
+        Paused for a paused one. (No mounts: the cloud has no host
+        directories.)"""
+        found = self._find(name)
+        if found.get("state") in RUNNING_STATES:
+            return cloud_record(found)
+        if found.get("state") == "paused":
+            raise paused_refusal(name, "start-machine")
         # The official client repeats branchability on the first start of
         # a branch source.
         query = "?forkable=true" if branchable else ""
         timeout = self.config.ready_timeout_secs + 60
-        return self._act(name, "start", timeout, query)
+        return self._ask(found, name, "start", timeout, query)
 
     def stop_machine(self, name: str) -> dict:
         return self._act(name, "stop", 360)
@@ -4405,8 +4466,9 @@ class CloudFleet:
 
     def _file_route(self, name: str, path: str) -> tuple[str, str]:
         """The machine's id and ``path``'s files route, as the official
-        client forms it."""
-        machine_id = self._find(name)["id"]
+        client forms it; raise NotRunning unless the machine runs, as its
+        files are a running guest's."""
+        machine_id = self._running(name)["id"]
         suffix = guest_route_suffix(path)
         return machine_id, f"/v1/machines/{machine_id}/files//{suffix}"
 
@@ -6460,11 +6522,17 @@ async def wait_until_ready(call: Call, name: str) -> None:
 
 
 async def start_and_wait(
-    call: Call, name: str, branchable: bool = False
+    call: Call,
+    name: str,
+    branchable: bool = False,
+    mounts: list[dict] | None = None,
 ) -> dict:
+    """Start ``name`` (Fleet.start_machine: ``mounts`` are the ones this
+    call just created it with) and wait until a command runs in it; its
+    record."""
     waiting = f"starting '{name}'"
     record = await call.api(
-        call.fleet.start_machine, name, branchable, waiting=waiting
+        call.fleet.start_machine, name, branchable, mounts, waiting=waiting
     )
     await wait_until_ready(call, name)
     return record
@@ -6481,17 +6549,25 @@ async def resume_and_wait(call: Call, name: str) -> tuple[dict, bool]:
     return record, resumed
 
 
-async def ensure_running(call: Call, name: str) -> str:
-    """Make a machine that is not running run, and wait for it: what this
-    call did, "started", "resumed" (a paused one) or ""."""
-    state = await call.api(call.fleet.machine_state, name)
-    if state in RUNNING_STATES:
-        return ""
-    if state == "paused":
-        await resume_and_wait(call, name)
-        return "resumed"
-    await start_and_wait(call, name)
-    return "started"
+async def ready_or_woken(call: Call, name: str, action: str) -> str:
+    """Return once a command has run in machine ``name``, first starting
+    a stopped one or resuming a paused one: what this call did,
+    "started", "resumed" or "". A running one costs one probe, which
+    also tells a machine that does not run (a command never boots it);
+    the refusal of a missing one names ``action``, what the probe is
+    for."""
+    try:
+        await call.api(call.fleet.exec, name, READY_PROBE, timeout_secs=10)
+    except NotRunning as err:
+        return await wake(call, name, err)
+    except ApiError as err:
+        if err.status == 404:
+            raise ApiError(
+                err.fleet, action, err.status, err.code, err.api_message
+            ) from None
+        # Up, but its guest not yet.
+        await wait_until_ready(call, name)
+    return ""
 
 
 async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, str]:
@@ -7420,7 +7496,9 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     if start:
         try:
-            record = await start_and_wait(call, name, spec.branchable)
+            record = await start_and_wait(
+                call, name, spec.branchable, spec.mounts
+            )
         except BaseException as err:
             failure = await start_failure(call, name, err, spec.network)
             await call.delete_quietly(name)
@@ -8137,7 +8215,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         await call.progress(None, f"creating {name} from {spec.image}")
         await create_recorded(call, name, call.fleet.create_machine, spec)
         try:
-            await start_and_wait(call, name)
+            await start_and_wait(call, name, mounts=spec.mounts)
         except Exception as err:
             raise await start_failure(call, name, err, spec.network) from None
         since = datetime.datetime.now(datetime.UTC)
@@ -8195,8 +8273,10 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     offset = args.get("offset", 0)
     limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
-    woke = await ensure_running(call, name)
-    page = await call.api(call.fleet.read_file, name, path, offset, length)
+    read = functools.partial(
+        call.api, call.fleet.read_file, name, path, offset, length
+    )
+    page, woke = await on_running(call, name, read)
     tokens = reply_tokens(call.config)
     if encoding == "utf8":
         data, content = utf8_page(page, path, offset, length, tokens)
@@ -8290,9 +8370,8 @@ async def tool_write_file(call: Call, args: dict) -> dict:
             ) from None
     # Ready first: a file written before the workload's file system is up
     # would be mounted over.
-    woke = await ensure_running(call, name)
-    if not woke:
-        await wait_until_ready(call, name)
+    action = f"write {path} in machine '{name}'"
+    woke = await ready_or_woken(call, name, action)
     written = await call.api(call.fleet.write_file, name, path, data)
     return {
         "path": path,
@@ -8314,12 +8393,13 @@ async def tool_write_file(call: Call, args: dict) -> dict:
 async def tool_start_machine(call: Call, args: dict) -> dict:
     name = args["name"]
     wait = args.get("wait", True)
-    record = await call.api(call.fleet.get_machine, name)
-    if record["state"] not in RUNNING_STATES:
-        try:
-            record = await call.api(call.fleet.start_machine, name)
-        except Exception as err:
-            raise explain_start_failure(err, record["network"]) from None
+    # The fleet reads the machine (a running one is left as it is).
+    try:
+        record = await call.api(call.fleet.start_machine, name)
+    except Exception as err:
+        # Unread here: an engine that needs egress to pull says the
+        # machine has none.
+        raise explain_start_failure(err, None) from None
     if wait:
         await wait_until_ready(call, name)
     return {"machine": record, "ready": wait}

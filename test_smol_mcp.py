@@ -2581,49 +2581,43 @@ class ToolRuleTests(FakeServeCase):
                 if page["eof"]:
                     break
             self.assertEqual(got, "é".encode() * 3000)
-            saved = smol_mcp.RANGE_READ_MIN_OFFSET
-            smol_mcp.RANGE_READ_MIN_OFFSET = (
-                1000  # deep pages are cut in the guest
+            # every page is cut in the guest, deep ones too
+            os.symlink("/data.bin", root / "link.bin")
+            linked = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": "/link.bin",
+                    "encoding": "base64",
+                    "offset": 2000,
+                    "length": 10,
+                },
             )
-            try:
-                os.symlink("/data.bin", root / "link.bin")
-                linked = await self.ok(
-                    c,
-                    "read-file",
-                    {
-                        "name": name,
-                        "path": "/link.bin",
-                        "encoding": "base64",
-                        "offset": 2000,
-                        "length": 10,
-                    },
-                )
-                self.assertEqual(
-                    (linked["size"], base64.b64decode(linked["content"])),
-                    (10240, (bytes(range(256)) * 40)[2000:2010]),
-                )  # the target's size, not the link's
-                self.fake.requests.clear()
-                deep = await self.ok(
-                    c,
-                    "read-file",
-                    {
-                        "name": name,
-                        "path": "/data.bin",
-                        "encoding": "base64",
-                        "offset": 5000,
-                        "length": 1000,
-                    },
-                )
-                self.assertEqual(
-                    base64.b64decode(deep["content"]),
-                    (bytes(range(256)) * 40)[5000:6000],
-                )
-                self.assertEqual((deep["size"], deep["eof"]), (10240, False))
-                self.assertFalse(
-                    [r for r in self.fake.requests if "/files/" in r[1]]
-                )  # no download from byte 0
-            finally:
-                smol_mcp.RANGE_READ_MIN_OFFSET = saved
+            self.assertEqual(
+                (linked["size"], base64.b64decode(linked["content"])),
+                (10240, (bytes(range(256)) * 40)[2000:2010]),
+            )  # the target's size, not the link's
+            self.fake.requests.clear()
+            deep = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": "/data.bin",
+                    "encoding": "base64",
+                    "offset": 5000,
+                    "length": 1000,
+                },
+            )
+            self.assertEqual(
+                base64.b64decode(deep["content"]),
+                (bytes(range(256)) * 40)[5000:6000],
+            )
+            self.assertEqual((deep["size"], deep["eof"]), (10240, False))
+            self.assertFalse(
+                [r for r in self.fake.requests if "/files/" in r[1]]
+            )  # no download from byte 0
             past = await self.ok(
                 c,
                 "read-file",
@@ -4590,7 +4584,9 @@ class ThirdFleet:
         self.machines[spec.name] = self.record(spec.name, "created")
         return dict(self.machines[spec.name])
 
-    def start_machine(self, name: str, branchable: bool = False) -> dict:
+    def start_machine(
+        self, name: str, branchable: bool = False, mounts=None
+    ) -> dict:
         raise smol_mcp.SmolError(self.RUNS_NOTHING)
 
     def stop_machine(self, name: str) -> dict:
@@ -9732,6 +9728,124 @@ class MountRootTests(FakeServeCase):
         self.assertIn("/work (read-write on request)", line)
 
 
+class MountRecheckAtStartTests(FakeServeCase):
+    """A start reads a machine for its mounts unless the call that created
+    it knows them; either way each source is checked again before the
+    engine starts it, so a source swapped for a symlink is refused."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.share = Path(self.tmp, "home", "share")
+        (self.share / "sub").mkdir(parents=True)
+        roots = (f"{self.share}:rw",)
+        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=roots))
+        self.mount = {
+            "source": f"{self.share}/sub",
+            "target": "/sub",
+            "readonly": False,
+        }
+
+    def swap(self) -> None:
+        """What a guest with the share writable can do."""
+        (self.share / "sub").rmdir()
+        (self.share / "sub").symlink_to("/")
+
+    def sent_since(self, before: int) -> list:
+        return [r[:2] for r in self.fake.requests[before:]]
+
+    async def test_a_machine_without_mounts_is_created_and_started_unread(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            # the first local call checks the serve once
+            await self.ok(c, "list-machines", {})
+            before = len(self.fake.requests)
+            await self.ok(
+                c, "create-machine", {"name": "mr-0", "image": "alpine"}
+            )
+            self.assertEqual(
+                self.sent_since(before),
+                [
+                    ("POST", "/api/v1/machines"),
+                    ("POST", "/api/v1/machines/mr-0/start"),
+                    ("POST", "/api/v1/machines/mr-0/exec"),
+                ],
+            )
+
+    async def test_a_source_swapped_during_the_create_is_refused_its_start(
+        self,
+    ):
+        create = smol_mcp.LocalFleet.create_machine
+
+        def create_then_swap(fleet, spec):
+            record = create(fleet, spec)
+            self.swap()
+            return record
+
+        args = {"name": "mr-1", "image": "alpine", "mounts": [self.mount]}
+        async with self.client("legacy") as c:
+            with unittest.mock.patch.object(
+                smol_mcp.LocalFleet, "create_machine", create_then_swap
+            ):
+                text = await self.refused(c, "create-machine", args)
+        self.assertIn("could not start machine 'mr-1'", text)
+        self.assertIn("resolves to /,", text)
+        self.assertEqual(self.requests_to("/start"), [])
+        self.assertNotIn("mr-1", self.fake.machines)
+
+    async def test_a_stopped_machine_with_mounts_is_read_and_refused(self):
+        args = {"name": "mr-2", "image": "alpine", "mounts": [self.mount]}
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", args)
+            await self.ok(c, "stop-machine", {"name": "mr-2"})
+            self.swap()
+            starts = len(self.requests_to("/start"))
+            for tool, more in (
+                ("write-file", {"path": "/root/f", "content": "x"}),
+                ("read-file", {"path": "/root/f"}),
+                ("start-machine", {}),
+            ):
+                with self.subTest(tool=tool):
+                    before = len(self.fake.requests)
+                    text = await self.refused(
+                        c, tool, {"name": "mr-2", **more}
+                    )
+                    self.assertIn("could not start machine 'mr-2'", text)
+                    self.assertIn("resolves to /,", text)
+                    self.assertIn(
+                        ("GET", "/api/v1/machines/mr-2"),
+                        self.sent_since(before),
+                    )
+                    self.assertFalse(
+                        [r for r in self.fake.requests if "/files/" in r[1]]
+                    )
+        self.assertEqual(len(self.requests_to("/start")), starts)
+        self.assertEqual(self.fake.machines["mr-2"]["state"], "stopped")
+
+    async def test_a_start_given_its_mounts_still_refuses_a_paused_machine(
+        self,
+    ):
+        """Unread, a machine paused meanwhile is told by the engine's own
+        refusal of the start."""
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "mr-3", "image": "alpine"}
+            )
+            await self.ok(c, "pause-machine", {"name": "mr-3"})
+        before = len(self.fake.requests)
+        with self.assertRaises(smol_mcp.Paused) as caught:
+            await asyncio.to_thread(
+                self.app.local.start_machine, "mr-3", mounts=[]
+            )
+        self.assertTrue(str(caught.exception).startswith("machine 'mr-3'"))
+        self.assertIn("resume-machine resumes it", str(caught.exception))
+        self.assertEqual(
+            self.sent_since(before),
+            [("POST", "/api/v1/machines/mr-3/start")],
+        )
+        self.assertEqual(self.fake.machines["mr-3"]["state"], "paused")
+
+
 TRAVERSALS = (
     "/../../../../account",
     "/../../../../x",
@@ -13624,6 +13738,24 @@ def warm_machine_steps() -> list:
     ]
 
 
+def not_running_steps() -> list:
+    """The first requests of read-file, write-file and start-machine to a
+    machine that does not run (`itw-a`, never started) and to one that
+    does not exist: a command with autoStart false (read-file's page,
+    write-file's readiness probe), the files routes, a start. (A files
+    request or a start to `itw-a` would boot it: none is sent.)"""
+    machines = "/api/v1/machines"
+    probe = {"command": ["true"], "timeoutSecs": 10, "autoStart": False}
+    raw = "application/octet-stream"
+    return [
+        ("POST", f"{machines}/itw-a/exec", probe),
+        ("POST", f"{machines}/itw-none/exec", probe),
+        ("GET", f"{machines}/itw-none/files/root/f", None),
+        ("PUT", f"{machines}/itw-none/files/root/f", b"x", raw),
+        ("POST", f"{machines}/itw-none/start", None),
+    ]
+
+
 def cache_disk_steps() -> list:
     """Requests to create with a cacheDisk, publish and delete bases, with
     no guest needed (the cache dir holds a raw `base1.raw`)."""
@@ -13797,7 +13929,12 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
     status, content type, body) for each, with createdAt, the settling
     state and the cache directory masked."""
     answers = []
-    steps = warm_machine_steps() + cache_disk_steps() + pool_steps()
+    steps = (
+        warm_machine_steps()
+        + not_running_steps()
+        + cache_disk_steps()
+        + pool_steps()
+    )
     for step in steps:
         method, path, body = step[:3]
         content_type = step[3] if len(step) > 3 else None
@@ -13959,6 +14096,30 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
                 '"code":"CONFLICT"}',
             ),
         )
+        probe = (
+            "POST /api/v1/machines/itw-a/exec {'command': ['true'], "
+            "'timeoutSecs': 10, 'autoStart': False}"
+        )
+        self.assertEqual(
+            by_request[probe],
+            (
+                409,
+                "application/json",
+                '{"error":"machine is not running and autoStart is false",'
+                '"code":"CONFLICT"}',
+            ),
+        )
+        missing = (
+            404,
+            "application/json",
+            '{"error":"machine \'itw-none\' not found","code":"NOT_FOUND"}',
+        )
+        files = [
+            answer
+            for request, answer in by_request.items()
+            if "/itw-none/files/" in request
+        ]
+        self.assertEqual(files, [missing, missing])
         empty = "POST /api/v1/pools/itw-p/leases {'idempotencyKey': 'k1'}"
         self.assertEqual(by_request[empty][0], 404)
         gone = "DELETE /api/v1/cache-bases/never.raw None"
@@ -22803,6 +22964,167 @@ class CloudPauseRuleTests(FakeCloudCase):
                 ("POST", f"{machine}/exec"),
             ],
         )
+
+
+class FileWakeScenarios:
+    """read-file and write-file on a machine that does not run: a stopped
+    one started, a paused one resumed, each said in the result; a missing
+    one refused with a sentence, as by start-machine, which leaves a
+    running one as it is (the classes below run them on both fleets)."""
+
+    fleet = "local"
+
+    def engine_state(self, name: str) -> str:
+        if self.fleet == "cloud":
+            return self.by_name(name)["state"]
+        return self.fake.machines[name]["state"]
+
+    async def made(self, c, name: str) -> str:
+        await self.ok(c, "create-machine", {"name": name, "image": "alpine"})
+        wrote = await self.ok(
+            c, "write-file", {"name": name, "path": "/root/f", "content": "k"}
+        )
+        self.assertEqual(
+            (wrote["startedMachine"], wrote["resumedMachine"]), (False, False)
+        )
+        return name
+
+    async def test_a_stopped_machine_is_started_by_a_read_and_a_write(self):
+        read = {"name": "fw-1", "path": "/root/f"}
+        write = {"name": "fw-1", "path": "/root/g", "content": "new"}
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-1")
+            for tool, args in (("read-file", read), ("write-file", write)):
+                with self.subTest(tool=tool):
+                    await self.ok(c, "stop-machine", {"name": "fw-1"})
+                    self.assertNotIn(self.engine_state("fw-1"), ("running",))
+                    woke = await self.ok(c, tool, args)
+                    self.assertEqual(
+                        (woke["startedMachine"], woke["resumedMachine"]),
+                        (True, False),
+                    )
+                    self.assertEqual(self.engine_state("fw-1"), "running")
+                    again = await self.ok(c, tool, args)
+                    self.assertFalse(again["startedMachine"])
+            self.assertEqual(woke["bytes"], 3)
+            got = await self.ok(
+                c, "read-file", {"name": "fw-1", "path": "/root/g"}
+            )
+            self.assertEqual(
+                (got["content"], got["startedMachine"]), ("new", False)
+            )
+
+    async def test_a_paused_machine_is_resumed_by_a_read_and_a_write(self):
+        read = {"name": "fw-2", "path": "/root/f"}
+        write = {"name": "fw-2", "path": "/root/f", "content": "k"}
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-2")
+            for tool, args in (("read-file", read), ("write-file", write)):
+                with self.subTest(tool=tool):
+                    await self.ok(c, "pause-machine", {"name": "fw-2"})
+                    woke = await self.ok(c, tool, args)
+                    self.assertEqual(
+                        (woke["resumedMachine"], woke["startedMachine"]),
+                        (True, False),
+                    )
+                    self.assertEqual(self.engine_state("fw-2"), "running")
+            self.assertEqual(
+                (await self.ok(c, "read-file", read))["content"], "k"
+            )
+
+    async def test_a_missing_machine_is_refused_with_a_sentence(self):
+        calls = {
+            "read-file": {"path": "/root/f"},
+            "write-file": {"path": "/root/f", "content": "x"},
+            "start-machine": {},
+        }
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            for tool, args in calls.items():
+                with self.subTest(tool=tool):
+                    before = len(self.journal())
+                    text = await self.refused(
+                        c, tool, {"name": "fw-none", **args}
+                    )
+                    self.assertIn("'fw-none' not found", text)
+                    if self.fleet == "local" and tool != "start-machine":
+                        # what the call was for, not its first request (the
+                        # cloud's lookup says "find machine" for every tool)
+                        verb = tool.split("-")[0]
+                        self.assertIn(
+                            f"refused to {verb} /root/f in machine", text
+                        )
+                    self.assertTrue(
+                        text.endswith("Check the name with list-machines"),
+                        text,
+                    )
+                    # the first answer says so: nothing more is asked
+                    self.assertEqual(len(self.journal()) - before, 1)
+        self.assertEqual(self.starts(), [])
+
+    def journal(self) -> list:
+        if self.fleet == "cloud":
+            return self.cloud.requests
+        return self.fake.requests
+
+    async def test_start_machine_leaves_a_running_machine_as_it_is(self):
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-5")
+            started = await self.ok(c, "start-machine", {"name": "fw-5"})
+            self.assertEqual(
+                (started["machine"]["state"], started["ready"]),
+                ("running", True),
+            )
+        self.assertEqual(len(self.starts()), 1)  # the create's own
+
+    def starts(self) -> list:
+        if self.fleet == "cloud":
+            return self.cloud_requests("/start")
+        return self.requests_to("/start")
+
+
+class LocalFileWakeTests(FileWakeScenarios, FakeServeCase):
+    async def test_a_stopped_machine_is_read_only_after_its_start(self):
+        """The files route would boot a stopped machine itself, unsaid and
+        past the mount check: a read asks a command first, which does
+        not."""
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-3")
+            await self.ok(c, "stop-machine", {"name": "fw-3"})
+            before = len(self.fake.requests)
+            await self.ok(c, "read-file", {"name": "fw-3", "path": "/root/f"})
+            sent = [r[:2] for r in self.fake.requests[before:]]
+        machine = "/api/v1/machines/fw-3"
+        self.assertEqual(
+            sent,
+            [
+                ("POST", f"{machine}/exec"),  # refused: not running
+                ("GET", machine),  # the start reads it: its mounts
+                ("POST", f"{machine}/start"),
+                ("POST", f"{machine}/exec"),  # the readiness probe
+                ("POST", f"{machine}/exec"),  # the page
+            ],
+        )
+
+    async def test_a_read_of_what_is_no_file_asks_the_files_route(self):
+        async with self.client("legacy") as c:
+            await self.made(c, "fw-4")
+            for path, said in (("/root", "is a directory"), ("/nope", "")):
+                with self.subTest(path=path):
+                    before = len(self.fake.requests)
+                    text = await self.refused(
+                        c, "read-file", {"name": "fw-4", "path": path}
+                    )
+                    self.assertIn(said or "Check the path", text)
+                    sent = [r[:2] for r in self.fake.requests[before:]]
+                    self.assertEqual(
+                        [method for method, _ in sent], ["POST", "GET"]
+                    )
+                    self.assertIn(f"/files{path}", sent[1][1])
+
+
+class CloudFileWakeTests(FileWakeScenarios, FakeCloudCase):
+    fleet = "cloud"
 
 
 class PauseOverHttpTests(HttpCase):
