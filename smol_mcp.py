@@ -8204,7 +8204,10 @@ async def tool_run_command(call: Call, args: dict) -> dict:
         **SIZE_ARGS,
         **NETWORK_ARGS,
     ),
-    _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
+    _out(
+        {**OUT_EXEC_PROPERTIES, **OUT_RESUMED, "name": {"type": "string"}},
+        OUT_EXEC_EGRESS,
+    ),
     "exec: open_world",
 )
 async def tool_run_once(call: Call, args: dict) -> dict:
@@ -8231,7 +8234,9 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             once=True,
             network=spec_egress(spec),
         )
-        return {**shaped, "startedMachine": False, "name": name}
+        # Its own new machine: nothing was stopped or paused before.
+        woke = {"startedMachine": False, "resumedMachine": False}
+        return {**shaped, **woke, "name": name}
     finally:
         # Every path: success, error, timeout, cancellation.
         await call.delete_quietly(name)
@@ -9855,8 +9860,8 @@ def targets_document(app: SmolMcp) -> dict:
     """
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
     mode = (
-        f"this process runs in {app.mode} mode"
-        f" (SMOL_MCP_TARGETS={app.config.targets})"
+        f"this process serves {app.mode} only;"
+        f" SMOL_MCP_TARGETS={app.config.targets}"
     )
     for name, fleet_facts in facts.items():
         if name not in app.fleets:

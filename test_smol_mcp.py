@@ -3676,6 +3676,24 @@ class RunOnceNetworkTests(FakeServeCase):
             )
 
 
+class RunOnceResultTests(FakeServeCase):
+    """run-once answers what run-command does, and the machine's name."""
+
+    async def test_its_keys_are_run_commands_and_name(self):
+        async with self.client("legacy") as c:
+            once = await self.ok(
+                c, "run-once", {"image": "alpine", "command": "true"}
+            )
+            await self.ok(
+                c, "create-machine", {"name": "r1", "image": "alpine"}
+            )
+            command = await self.ok(
+                c, "run-command", {"name": "r1", "command": "true"}
+            )
+        self.assertEqual(set(once), {*command, "name"})
+        self.assertIs(once["resumedMachine"], False)
+
+
 class LocalUrlTests(FakeServeCase):
     async def test_a_given_serve_is_used_and_left_running(self):
         async with self.client("legacy") as c:
