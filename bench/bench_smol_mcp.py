@@ -578,6 +578,10 @@ def own_share(
 
 # The agents of the throughput section, a token and a session each.
 THROUGHPUT_SESSIONS = 16
+# The soak: a steady load, below what the server can take, for a minute.
+SOAK_RATE = 200
+SOAK_SESSIONS = 4
+SOAK_SECS = 60
 
 
 # The fake serve's process: tests/fakes' FakeSmolvm on the socket
@@ -603,6 +607,10 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
+        # The sections named with --only (none: every section).
+        self.asked = []
+        if args.only:
+            self.asked = args.only.split(",")
         self.baseline = None
         if args.baseline:
             self.baseline = Path(args.baseline).resolve()
@@ -1922,6 +1930,91 @@ class Bench:
             "INFO",
         )
 
+    # -- 8. a steady load for a minute ---------------------------------------
+
+    def bench_soak(self) -> None:
+        """SOAK_RATE get-machine calls a second over HTTP (2026-07-28 era,
+        SOAK_SESSIONS agents on their tokens, each on a schedule of its
+        own) for SOAK_SECS: the p99 and the server's RSS must stay flat,
+        the last tenth against the first after a warm-up tenth. A run of
+        its own (--only soak, or a full run): --quick leaves it out."""
+        if self.quick and "soak" not in self.asked:
+            self.row(
+                "soak: a minute of steady load", "-", "-", "-", "-", "SKIP"
+            )
+            return
+        log(f"soak: {SOAK_RATE} calls/s over HTTP for {SOAK_SECS} s")
+        tokens = self.agent_tokens(SOAK_SESSIONS)
+        proc, port = self.spawn_http()
+        try:
+            peers = [ModernPeer(port, token) for token in tokens]
+            calls, rss = self.soak_run(proc, peers)
+        finally:
+            self.stop_child(proc)
+        tenth = SOAK_SECS / 10
+        first = [lat for at, lat in calls if tenth <= at < 2 * tenth]
+        last = [lat for at, lat in calls if at >= SOAK_SECS - tenth]
+        rate = len(calls) / SOAK_SECS
+        flat = p99(last) / p99(first)
+        self.row(
+            f"soak: {SOAK_RATE} calls/s for {SOAK_SECS} s, p99 last / first",
+            ms(p99(last)),
+            ms(p99(first)),
+            f"{flat:.2f}x; {rate:.0f} calls/s made",
+            "<= 1.5x",
+            self.check(flat <= 1.5 and rate >= 0.95 * SOAK_RATE),
+        )
+        grown = rss[-1][1] - min(size for at, size in rss if at >= tenth)
+        self.row(
+            f"soak: {SOAK_RATE} calls/s for {SOAK_SECS} s, server RSS",
+            mib(rss[-1][1]),
+            f"{mib(rss[0][1])} at the start",
+            f"{grown / MiB:+.1f} MiB after the warm-up",
+            "<= +5 MiB",
+            self.check(grown <= 5 * MiB),
+        )
+
+    def soak_run(self, proc, peers: list) -> tuple[list, list]:
+        """Return the calls, as (seconds since the start, latency), and the
+        server's RSS each second, as (seconds, bytes); raise RuntimeError
+        when a call fails."""
+        interval = len(peers) / SOAK_RATE
+        calls: list[tuple[float, float]] = []
+        errors: list[BaseException] = []
+        start = time.perf_counter() + 0.5
+        arguments = {"name": self.machine}
+
+        def agent(peer, offset: float) -> None:
+            due = start + offset
+            try:
+                while due < start + SOAK_SECS:
+                    time.sleep(max(0.0, due - time.perf_counter()))
+                    began = time.perf_counter()
+                    peer.call("get-machine", arguments)
+                    calls.append((began - start, time.perf_counter() - began))
+                    due += interval
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [
+            threading.Thread(
+                target=agent, args=(peer, i * interval / len(peers))
+            )
+            for i, peer in enumerate(peers)
+        ]
+        for thread in threads:
+            thread.start()
+        rss = []
+        while any(thread.is_alive() for thread in threads):
+            at = time.perf_counter() - start
+            rss.append((at, proc_status(proc.pid)["VmRSS"]))
+            time.sleep(1)
+        for peer in peers:
+            peer.close()
+        if errors:
+            raise RuntimeError(f"a soak call failed: {errors[0]!r}")
+        return calls, rss
+
     # -- the table ------------------------------------------------------------
 
     def table(self) -> str:
@@ -1960,6 +2053,7 @@ SECTIONS = [
     "concurrency",
     "pool",
     "throughput",
+    "soak",
 ]
 
 
