@@ -5122,7 +5122,7 @@ class ThirdFleetTests(FakeCloudCase):
         self.assertEqual(document["mode"], "local,cloud")
         third = document["fleets"]["third"]
         self.assertEqual((third["served"], third["usable"]), (False, False))
-        self.assertIn("local,cloud mode", third["reason"])
+        self.assertIn("serves local,cloud only", third["reason"])
         without_key = dataclasses_replace(self.config, cloud_token="")
         self.assertEqual(smol_mcp.resolve_mode(without_key), "local")
         # every fleet usable: both, the word for all of them
