@@ -12393,7 +12393,11 @@ class SmolMcp:
         except SmolError as err:
             if isinstance(ctx, PlainRequest):
                 ctx.failure = err
-            message = redact(explain(err), self.config.secret_values())
+            message = explain(err)
+            gone = self.idle_gone(principal, entry, message)
+            if gone:
+                message = f"{message}. {gone}"
+            message = redact(message, self.config.secret_values())
             logged(message.splitlines()[0])
             return tool_error(message)
         except Exception as err:
@@ -12406,6 +12410,16 @@ class SmolMcp:
             note_result(entry, result)
             logged("ok")
         return tool_result(result)
+
+    def idle_gone(self, principal: Principal, entry: dict, why: str) -> str:
+        """Why the machine a call named is not found, when its token's
+        idle 2026-era state took it (HttpSessions.idle_ended_note); else
+        ""."""
+        if self.http is None or "not found" not in why:
+            return ""
+        target = entry.get("target")
+        machine = entry.get("machine")
+        return self.http.idle_ended_note(principal, target, machine)
 
     def validate(self, tool: ToolSpec, arguments: dict) -> None:
         """Raise ArgumentError when ``arguments`` do not fit the tool's
@@ -13586,6 +13600,10 @@ HTTP_CLOSE = [(b"connection", b"close")]
 CYCLE_EXTENSION = "smol-mcp.cycle"
 # Ends a session that never made a call (or the idle time, if less).
 HTTP_UNUSED_SESSION_SECS = 300
+# What a token hears of the machines its idle 2026-era state took: the
+# newest this many, for this long.
+IDLE_ENDED_KEPT = 32
+IDLE_ENDED_SECS = 3600
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = (
     "tools/call",
@@ -14492,6 +14510,10 @@ class HttpSessions:
         self.stopping: Any = None
         # The POSTs in the SDK's hands.
         self.serving: set[anyio.CancelScope] = set()
+        # 2026 era: token name -> {(fleet, machine): (when, idle limit)}
+        # of the ephemeral machines its state took with it as it idled
+        # out, so that a call naming one hears why it is gone.
+        self.idle_ended: dict[str, dict[tuple, tuple[float, int]]] = {}
 
     @asynccontextmanager
     async def running(self, tasks: Any):
@@ -14640,7 +14662,40 @@ class HttpSessions:
             log.info(
                 "session %s %s for %d s: ending it", session.id, why, limit
             )
+            if session.http_id is None:
+                self.note_idle_end(session, limit)
             await self.drop(session)
+
+    def note_idle_end(self, session: Session, limit: int) -> None:
+        """Remember the ephemeral machines a 2026-era token's state takes
+        with it as it idles out: the newest IDLE_ENDED_KEPT a token."""
+        now = time.monotonic()
+        ended = self.idle_ended.setdefault(session.principal.name, {})
+        for fleet, machines in session.machines.items():
+            for machine in machines:
+                ended[(fleet, machine)] = (now, limit)
+        newest = sorted(ended.items(), key=lambda item: item[1][0])
+        self.idle_ended[session.principal.name] = dict(
+            newest[-IDLE_ENDED_KEPT:]
+        )
+
+    def idle_ended_note(
+        self, principal: Principal, fleet: Any, machine: Any
+    ) -> str:
+        """Why ``machine`` is gone, when its token's 2026-era state took it
+        as it idled out (within IDLE_ENDED_SECS); else ""."""
+        ended = self.idle_ended.get(principal.name, {})
+        when, limit = ended.get((fleet, machine), (None, 0))
+        if when is None or time.monotonic() - when > IDLE_ENDED_SECS:
+            return ""
+        prefix = self.app.config.machine_prefix
+        return (
+            f"'{machine}' was an ephemeral machine of this token's,"
+            f" deleted with its 2026-07-28 state after {limit} s without a"
+            " request (httpStatelessIdleSecs): create a new one; a name"
+            f" without the {prefix!r} prefix keeps a machine across pauses"
+            " (delete it when done)"
+        )
 
     def idle_limit(self, session: Session) -> tuple[int, str]:
         """How long ``session`` may be idle, and the word for why it ends.

@@ -7155,6 +7155,30 @@ class StatelessIdleTests(HttpCase):
         self.assertTrue(session.ended)
         self.assertNotIn("mcp-quiet", self.fake.machines)
 
+    async def test_a_call_naming_a_machine_it_took_hears_why(self):
+        session = await self.created("auto", "mcp-gone")
+        session.last_seen = time.monotonic() - 301
+        await self.app.http.end_idle()
+        async with self.http_client("auto") as c:
+            gone = await self.refused(c, "get-machine", {"name": "mcp-gone"})
+            never = await self.refused(c, "get-machine", {"name": "mcp-never"})
+        self.assertIn("deleted with its 2026-07-28 state after 300 s", gone)
+        self.assertIn("without the 'mcp-' prefix keeps a machine", gone)
+        self.assertNotIn("httpStatelessIdleSecs", never)
+        self.assertIn("Check the name with list-machines", never)
+
+    async def test_what_it_remembers_is_bounded_per_token(self):
+        session = await self.created("auto", "mcp-first")
+        kept = smol_mcp.IDLE_ENDED_KEPT
+        names = {f"mcp-n{i}" for i in range(kept + 8)}
+        session.machines["local"] = names
+        self.app.http.note_idle_end(session, 300)
+        session.machines["local"] = {"mcp-last"}
+        self.app.http.note_idle_end(session, 300)
+        ended = self.app.http.idle_ended[session.principal.name]
+        self.assertEqual(len(ended), kept)
+        self.assertIn(("local", "mcp-last"), ended)
+
     async def test_an_open_listen_stream_holds_it_to_the_longer_bound(self):
         session = await self.created("auto", "mcp-listens")
         session.listening = 1
