@@ -22718,6 +22718,55 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
 
+class MinimalServerProcessTests(unittest.TestCase):
+    """The benchmark's bare SDK server in several processes stops them
+    all when told to stop: no child outlives a run (uvicorn raises the
+    stopping signal again as it returns)."""
+
+    def processes_on(self, port: int) -> list[int]:
+        """The pids whose command line names ``port`` after --http."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--http" in argv and str(port).encode() in argv:
+                found.append(int(entry.name))
+        return found
+
+    def test_sigterm_stops_every_process(self):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        script = HERE / "bench" / "minimal_server.py"
+        argv = [sys.executable, str(script), "--http", str(port)]
+        server = subprocess.Popen(
+            [*argv, "--processes", "2"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.addCleanup(server.kill)
+        deadline = time.monotonic() + 30
+        while len(self.processes_on(port)) < 2:
+            self.assertLess(time.monotonic(), deadline, "two processes")
+            time.sleep(0.1)
+        children = [
+            pid for pid in self.processes_on(port) if pid != server.pid
+        ]
+        server.terminate()
+        server.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while left := self.processes_on(port):
+            if time.monotonic() > deadline:
+                for pid in children:
+                    os.kill(pid, signal.SIGKILL)
+                self.fail(f"left running after the server stopped: {left}")
+            time.sleep(0.1)
+
+
 class GuardTests(unittest.TestCase):
     """The runner's guard: a stand-in for the user's directories that a
     test cannot use unnoticed."""

@@ -89,13 +89,24 @@ def serve_processes(port: int, processes: int) -> None:
     import os
     import signal
 
+    # uvicorn raises the signal that stopped it again once it has: with
+    # the default action this process would die there, before it stops
+    # its children, and they would outlive it. As an exception it unwinds
+    # to the finally below, as does one that comes before uvicorn serves.
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     listening = listen(port)
     children = []
     for _ in range(processes - 1):
         pid = os.fork()
         if pid == 0:
-            anyio.run(run_http, listening)
-            os._exit(0)
+            try:
+                anyio.run(run_http, listening)
+            finally:
+                os._exit(0)
         children.append(pid)
     try:
         anyio.run(run_http, listening)
