@@ -2328,7 +2328,9 @@ class LocalFleet(LocalServe):
             path = "/api/v1/machines"
         timeout = self.config.ready_timeout_secs
         try:
-            with anyio.fail_after(timeout):
+            # asyncio's own: the reader is asyncio's too, and anyio's
+            # scope costs more than the read it bounds.
+            async with asyncio.timeout(timeout):
                 answer = await self._quick_reader.get(path)
         except TimeoutError:
             raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
@@ -13942,14 +13944,15 @@ class HttpGate:
             return await self.lifespan_app(scope, receive, send)
         self.find_caller(scope)
         headers = dict(scope["headers"])
-        # A password or a live sign-in link opens the public paths.
-        oauth = self.pages is not None and self.pages.operator.enabled()
-        public = oauth and self.is_public(scope["path"])
+        # A password or a live sign-in link opens the public paths (asked
+        # only of those: it reads a file).
+        public = self.is_public(scope["path"]) and self.oauth_on()
         principal = None
         if not public:
             # token_for compares the tokens' hashes.
             principal = self.access.token_for(offered_tokens(headers))
             if principal is None:
+                oauth = self.oauth_on()
                 return await self.refuse_unauthenticated(send, oauth)
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
@@ -13962,6 +13965,11 @@ class HttpGate:
             await self.serve_public(scope, headers, receive, send)
         else:
             await self.serve_mcp(scope, headers, receive, send, principal)
+
+    def oauth_on(self) -> bool:
+        """Whether OAuth and the pages are on: an issuer, and an operator's
+        password or a live sign-in link."""
+        return self.pages is not None and self.pages.operator.enabled()
 
     def is_public(self, path: str) -> bool:
         """Whether ``path`` is a browser's page or an OAuth route."""
