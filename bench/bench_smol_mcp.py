@@ -1509,53 +1509,24 @@ class Bench:
         ``seconds``; with ``hold``, one more session runs `sleep hold`
         throughout. Raise RuntimeError when a session fails.
         """
-        latencies: list[list[float]] = [[] for _ in sessions]
         errors: list[BaseException] = []
         long_ok = [True]
         holder = None
         if hold:
             holder = self.start_holder(port, hold, long_ok, errors)
-        barrier = threading.Barrier(len(sessions) + 1)
-        stop_at = [0.0]
-
-        def worker(i: int) -> None:
-            session = sessions[i]
-            out = latencies[i]
-            barrier.wait()
-            calls = (
-                ("get-machine", {"name": self.machine}),
-                ("list-machines", {}),
-            )
-            n = 0
-            try:
-                while time.perf_counter() < stop_at[0]:
-                    tool, arguments = calls[n % 2]
-                    n += 1
-                    t = time.perf_counter()
-                    session.call(tool, arguments)
-                    out.append(time.perf_counter() - t)
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [
-            threading.Thread(target=worker, args=(i,), daemon=True)
-            for i in range(len(sessions))
-        ]
-        for t in threads:
-            t.start()
-        stop_at[0] = time.perf_counter() + seconds
-        started_at = time.perf_counter()
-        barrier.wait()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - started_at
-        if holder is not None:
-            thread, peer = holder
-            thread.join()
-            peer.close()
+        calls = (
+            ("get-machine", {"name": self.machine}),
+            ("list-machines", {}),
+        )
+        try:
+            flat, elapsed = self.at_once(sessions, calls, seconds)
+        finally:
+            if holder is not None:
+                thread, peer = holder
+                thread.join()
+                peer.close()
         if errors:
-            raise RuntimeError(f"a session failed: {errors[0]!r}")
-        flat = [x for lat in latencies for x in lat]
+            raise RuntimeError(f"the held command failed: {errors[0]!r}")
         return flat, elapsed, long_ok[0]
 
     def start_holder(
@@ -1808,7 +1779,7 @@ class Bench:
                     proc, _, _, (tool, arguments) = servers[label]
                     cpu = tree_cpu_seconds(proc.pid)
                     latencies, elapsed = self.at_once(
-                        sessions[label], tool, arguments, seconds
+                        sessions[label], ((tool, arguments),), seconds
                     )
                     cpu = tree_cpu_seconds(proc.pid) - cpu
                     per_call = cpu / max(1, len(latencies))
@@ -1821,10 +1792,11 @@ class Bench:
 
     @staticmethod
     def at_once(
-        sessions: list, tool: str, arguments: dict, seconds: float
+        sessions: list, calls: tuple, seconds: float
     ) -> tuple[list[float], float]:
-        """Return (latencies, elapsed) of every session calling ``tool``
-        back to back for ``seconds``; raise RuntimeError when one fails."""
+        """Return (latencies, elapsed) of every session making ``calls``
+        ((tool, arguments) pairs, in turn) back to back for ``seconds``;
+        raise RuntimeError when one fails."""
         latencies: list[list[float]] = [[] for _ in sessions]
         errors: list[BaseException] = []
         barrier = threading.Barrier(len(sessions) + 1)
@@ -1834,6 +1806,7 @@ class Bench:
             barrier.wait()
             try:
                 while time.perf_counter() < stop_at[0]:
+                    tool, arguments = calls[len(out) % len(calls)]
                     t = time.perf_counter()
                     session.call(tool, arguments)
                     out.append(time.perf_counter() - t)

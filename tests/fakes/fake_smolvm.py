@@ -2521,28 +2521,7 @@ class GuestNet:
             )
             conn.close()
             return
-        upstream.settimeout(None)
-
-        def pump(src, dst):
-            try:
-                while data := src.recv(65536):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-
-        back = threading.Thread(
-            target=pump, args=(upstream, conn), daemon=True
-        )
-        back.start()
-        pump(conn, upstream)
-        back.join()
-        conn.close()
-        upstream.close()
+        splice(conn, upstream)
 
     def close(self):
         self.closed = True
@@ -2554,6 +2533,31 @@ class GuestNet:
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait()
+
+
+def splice(conn, upstream):
+    """Pass bytes both ways between two connected sockets until each side
+    has finished sending, then close both."""
+    upstream.settimeout(None)
+
+    def pump(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    back = threading.Thread(target=pump, args=(upstream, conn), daemon=True)
+    back.start()
+    pump(conn, upstream)
+    back.join()
+    conn.close()
+    upstream.close()
 
 
 def stream_in_guest(
@@ -2923,28 +2927,7 @@ class PublishedPorts:
         except OSError:
             conn.close()
             return
-        upstream.settimeout(None)
-
-        def pump(src, dst):
-            try:
-                while data := src.recv(65536):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-
-        back = threading.Thread(
-            target=pump, args=(upstream, conn), daemon=True
-        )
-        back.start()
-        pump(conn, upstream)
-        back.join()
-        conn.close()
-        upstream.close()
+        splice(conn, upstream)
 
 
 class FakeSmolvm:
