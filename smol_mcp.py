@@ -13572,7 +13572,9 @@ HTTP_BODIES_PER_CALLER = 4
 HTTP_MAX_BODIES_IN_FLIGHT = 16
 HTTP_MAX_PUBLIC_BODIES = 32
 # A caller's bodies waiting for its share; one more is a 429 at once.
-HTTP_BODIES_WAITING_PER_CALLER = 8
+# A waiting body holds no memory yet, so as many as a token has sessions:
+# a client busy in all of them is made to wait, never refused.
+HTTP_BODIES_WAITING_PER_CALLER = 16
 # A body waits this long for a share, then it is a 429 (or a 503).
 HTTP_BODY_WAIT_SECS = 10
 # A body must keep arriving: a pause this long is a 408...
@@ -14055,11 +14057,11 @@ class HttpGate:
         send: Callable,
         principal: Principal | None = None,
     ) -> bytes | None:
-        """The whole body, read in its caller's share of BodyShares: with
-        ``principal``, the token's share and up to HTTP_MAX_BODY_BYTES;
-        without, the address's and public_body_limit's. Past the limit a
-        413, stalled or late a 408, no share a 429 or 503; None once
-        answered."""
+        """The whole body, read in its caller's share of BodyShares
+        unless it came with the headers: with ``principal``, the token's
+        share and up to HTTP_MAX_BODY_BYTES; without, the address's and
+        public_body_limit's. Past the limit a 413, stalled or late a 408,
+        no share a 429 or 503; None once answered."""
         if principal is None:
             shares = self.public_bodies
             caller = address_key((scope.get("client") or ("",))[0])
@@ -14081,17 +14083,18 @@ class HttpGate:
         if over and expecting:
             # The client waits to be asked: tell it now.
             return await send_json(send, 413, too_big, HTTP_CLOSE)
-        # take and give_back rather than share(): a context manager a
-        # request costs more than the slot.
-        if not await shares.take(caller):
+        if body_arrived(scope):
+            # Whole in uvicorn's buffer already: it cannot be slow, so it
+            # takes no slot.
+            body, outcome = await receive_body(receive, limit, True)
+        else:
+            body, outcome = await receive_in_share(
+                shares, caller, receive, limit
+            )
+        if outcome == "share":
             status, refused = shares.refusal(caller, who)
             retry = [(b"retry-after", b"5"), *HTTP_CLOSE]
             return await send_json(send, status, refused, retry)
-        try:
-            arrived = body_arrived(scope)
-            body, outcome = await receive_body(receive, limit, arrived)
-        finally:
-            shares.give_back(caller)
         if outcome == "gone":
             return None
         if over or outcome == "big":
@@ -14100,6 +14103,21 @@ class HttpGate:
             late = {"error": body_late(outcome)}
             return await send_json(send, 408, late, HTTP_CLOSE)
         return body
+
+
+async def receive_in_share(
+    shares: BodyShares, caller: str, receive: Callable, limit: int
+) -> tuple[bytes, str]:
+    """receive_body in a slot of ``caller``'s share; the outcome is
+    "share" when no slot came."""
+    # take and give_back rather than share(): a context manager a request
+    # costs more than the slot.
+    if not await shares.take(caller):
+        return b"", "share"
+    try:
+        return await receive_body(receive, limit)
+    finally:
+        shares.give_back(caller)
 
 
 def body_late(outcome: str) -> str:

@@ -10623,7 +10623,7 @@ class SlowBodyProcessTests(unittest.TestCase):
             timed[name] = (status, round(time.monotonic() - started, 2))
         return timed
 
-    def hold_slow_bodies(self, paths, token: str, source: str) -> list:
+    def hold_slow_bodies(self, paths, token: str, source: str, count: int):
         held = [
             slow_body(
                 self.port,
@@ -10631,7 +10631,7 @@ class SlowBodyProcessTests(unittest.TestCase):
                 slow_headers(paths[i % len(paths)], token),
                 source,
             )
-            for i in range(16)
+            for i in range(count)
         ]
         for sock in held:
             self.addCleanup(sock.close)
@@ -10639,7 +10639,7 @@ class SlowBodyProcessTests(unittest.TestCase):
         time.sleep(1)
         return held
 
-    def assert_victim_answers(self, paths, source: str) -> list:
+    def assert_victim_answers(self, paths, source: str, count=16) -> list:
         import httpx2
 
         base = f"http://127.0.0.1:{self.port}"
@@ -10647,7 +10647,7 @@ class SlowBodyProcessTests(unittest.TestCase):
         with httpx2.Client(base_url=base, timeout=10) as http:
             session = open_raw_session(http, "/mcp", auth)
             self.victim_calls(http, session)
-            held = self.hold_slow_bodies(paths, self.attacker, source)
+            held = self.hold_slow_bodies(paths, self.attacker, source, count)
             timed = self.victim_calls(http, session)
         for name, (status, seconds) in timed.items():
             self.assertEqual(status, 200, (name, timed))
@@ -10661,12 +10661,12 @@ class SlowBodyProcessTests(unittest.TestCase):
         # The slow ones are still held, not answered.
         self.assertEqual([said_so_far(sock) for sock in held[:4]], [b""] * 4)
 
-    def test_16_slow_bodies_of_one_token_leave_another_within_2s(self):
-        held = self.assert_victim_answers(SLOW_PATHS[:2], "127.0.0.2")
-        # Past its share (4 read, 8 waiting) the token's bodies are 429s.
+    def test_24_slow_bodies_of_one_token_leave_another_within_2s(self):
+        held = self.assert_victim_answers(SLOW_PATHS[:2], "127.0.0.2", 24)
+        # Past its share (4 read, 16 waiting) the token's bodies are 429s.
         answers = [said_so_far(sock) for sock in held]
         refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
-        self.assertEqual(len(refused), 16 - 4 - 8, answers)
+        self.assertEqual(len(refused), 24 - 4 - 16, answers)
         self.assertIn(b"its share", refused[0])
 
 
@@ -19370,19 +19370,35 @@ class BodyShareTests(FrontCase):
     def token_headers(self, token: str = HTTP_TOKEN) -> dict:
         return slow_headers("/mcp", token)
 
-    def whole(self, path: str, headers: dict, body: bytes, source="127.0.0.1"):
-        """A connection that sends a whole request at once."""
+    def whole(
+        self,
+        path: str,
+        headers: dict,
+        body: bytes,
+        source="127.0.0.1",
+        declared: bytes = b"",
+    ):
+        """A connection that sends a whole request at once (or with
+        ``declared``, the headers of that body and ``body`` after them)."""
         sock = socket.create_connection(
             ("127.0.0.1", self.port), timeout=10, source_address=(source, 0)
         )
         self.socks.append(sock)
         head = {
             "Host": f"127.0.0.1:{self.port}",
-            "Content-Length": str(len(body)),
+            "Content-Length": str(len(declared or body)),
             **headers,
         }
         lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
         sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + body)
+        return sock
+
+    async def halves(self, path: str, headers: dict, body: bytes, source=""):
+        """A connection that sends a whole request in two, the body a
+        moment after the headers: so it did not come with them."""
+        sock = self.whole(path, headers, b"", source or "127.0.0.1", body)
+        await asyncio.sleep(0.2)
+        sock.sendall(body)
         return sock
 
     def held(self, count: int, path: str, headers: dict, source="127.0.0.1"):
@@ -19417,7 +19433,7 @@ class BodyShareTests(FrontCase):
         share = smol_mcp.HTTP_BODIES_PER_CALLER
         held = self.held(share, "/mcp", self.token_headers())
         await asyncio.sleep(0.3)
-        waiting = self.whole("/mcp", self.token_headers(), INIT_BODY)
+        waiting = await self.halves("/mcp", self.token_headers(), INIT_BODY)
         await asyncio.sleep(0.5)
         self.assertEqual(said_so_far(waiting), b"")
         # Another token is not held up meanwhile.
@@ -19432,7 +19448,7 @@ class BodyShareTests(FrontCase):
         self.assertTrue(said.startswith(b"HTTP/1.1 200"), said)
         self.held(1, "/mcp", self.token_headers())
         with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 1):
-            late = self.whole("/mcp", self.token_headers(), INIT_BODY)
+            late = await self.halves("/mcp", self.token_headers(), INIT_BODY)
             said = await asyncio.to_thread(said_so_far, late, 5)
         self.assertTrue(said.startswith(b"HTTP/1.1 429"), said)
         self.assertIn(
@@ -19448,19 +19464,48 @@ class BodyShareTests(FrontCase):
         with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 3):
             held = self.held(share + waiting, "/signin", headers, "127.0.0.3")
             await asyncio.sleep(0.5)
+            one_more = await self.halves(
+                "/signin", headers, b"a=1", "127.0.0.3"
+            )
             started = time.monotonic()
-            one_more = self.whole("/signin", headers, b"a=1", "127.0.0.3")
             said = await asyncio.to_thread(said_so_far, one_more, 5)
         self.assertLess(time.monotonic() - started, 1)
         self.assertTrue(said.startswith(b"HTTP/1.1 429"), said)
         self.assertIn(b"the address 127.0.0.3 has 4 request bodies", said)
-        self.assertEqual([said_so_far(sock) for sock in held], [b""] * 12)
+        quiet = [said_so_far(sock) for sock in held]
+        self.assertEqual(quiet, [b""] * (share + waiting))
         # Another address signs in meanwhile.
         async with address_client("127.0.0.4", self.base) as http:
             page = await http.get("/signin?hop=1")
             form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
             answer = await http.post("/signin", data=form)
         self.assertEqual(answer.status_code, 303)
+
+    async def test_a_body_that_came_with_its_headers_takes_no_slot(self):
+        share = smol_mcp.HTTP_BODIES_PER_CALLER
+        waiting = smol_mcp.HTTP_BODIES_WAITING_PER_CALLER
+        with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 3):
+            held = self.held(share + waiting, "/mcp", self.token_headers())
+            await asyncio.sleep(0.5)
+            whole = self.whole("/mcp", self.token_headers(), INIT_BODY)
+            said = await asyncio.to_thread(said_so_far, whole, 2)
+            self.assertTrue(said.startswith(b"HTTP/1.1 200"), said)
+            quiet = [said_so_far(sock) for sock in held]
+        self.assertEqual(quiet, [b""] * (share + waiting))
+
+    async def test_a_token_busy_in_all_its_sessions_waits_not_refused(self):
+        shares = smol_mcp.BodyShares(smol_mcp.HTTP_BODIES_PER_CALLER, 64)
+
+        async def one_body():
+            async with shares.share("token") as taken:
+                await asyncio.sleep(0.05)
+            return taken
+
+        bodies = (
+            smol_mcp.HTTP_SESSIONS_PER_TOKEN + smol_mcp.HTTP_BODIES_PER_CALLER
+        )
+        taken = await asyncio.gather(*[one_body() for _ in range(bodies)])
+        self.assertEqual(taken, [True] * bodies)
 
     async def test_bodies_without_a_token_are_small(self):
         small = smol_mcp.HTTP_MAX_PUBLIC_BODY_BYTES
