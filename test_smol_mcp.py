@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import py_compile
 import re
 import shutil
 import signal
@@ -80,6 +81,17 @@ from tests.fakes.fake_smolvm import (  # noqa: E402
 )
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
+# How a test starts the server: `python3 smol_mcp.py`, as the README has
+# it, but loaded as a module, from the bytecode write_bytecode() left: a
+# script is compiled at each start (0.18 s for this one, and the suite
+# starts some 250). runpy makes it __main__, with the same sys.argv[0],
+# __file__ and sys.path[0].
+SERVER = [
+    sys.executable,
+    "-c",
+    f"import runpy, sys; sys.path[0] = {str(HERE)!r}; "
+    "runpy.run_module('smol_mcp', run_name='__main__', alter_sys=True)",
+]
 # No test asks this host's resolver: a name an allow list adds resolves to
 # nothing here unless a test patches answers in (EgressResolveTests).
 REAL_RESOLVE_HOST = smol_mcp.resolve_host
@@ -7505,8 +7517,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
             "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
         }
         server = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(HERE / "smol_mcp.py"),
+            *SERVER,
             "--http",
             "--port",
             str(port),
@@ -7677,8 +7688,7 @@ class HttpProcessTests(unittest.TestCase):
         }
         server = subprocess.Popen(
             [
-                sys.executable,
-                str(HERE / "smol_mcp.py"),
+                *SERVER,
                 "--http",
                 "--port",
                 str(port),
@@ -10397,8 +10407,7 @@ class HttpFrontProcessTests(unittest.TestCase):
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
         command = [
-            sys.executable,
-            str(HERE / "smol_mcp.py"),
+            *SERVER,
             "--http",
             "--port",
             str(self.port),
@@ -10739,7 +10748,7 @@ def run_cli(
     *args, env=None, cwd=None, timeout=60
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(HERE / "smol_mcp.py"), *args],
+        [*SERVER, *args],
         cwd=cwd or HERE,
         env=env,
         capture_output=True,
@@ -10756,8 +10765,7 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
         port = probe.getsockname()[1]
     server = subprocess.Popen(
         [
-            sys.executable,
-            str(HERE / "smol_mcp.py"),
+            *SERVER,
             "--http",
             "--port",
             str(port),
@@ -11079,7 +11087,7 @@ class TerminalTests(unittest.TestCase):
             "SMOLVM": str(FAKE_CLI),
         }
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py")],
+            [*SERVER],
             stdin=tty_fd,
             stdout=tty_fd,
             stderr=subprocess.PIPE,
@@ -11119,7 +11127,7 @@ class TerminalTests(unittest.TestCase):
 
     def test_a_pipe_on_stdin_gets_no_such_line(self):
         out = subprocess.run(
-            [sys.executable, str(HERE / "smol_mcp.py")],
+            [*SERVER],
             input="",
             capture_output=True,
             text=True,
@@ -11268,7 +11276,7 @@ class EngineOnRampTests(CliCase):
         self.addCleanup(fake.stop)
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/slow.sock"}
         probe = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py"), "doctor", "--probe"],
+            [*SERVER, "doctor", "--probe"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -12393,8 +12401,8 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
     def params(self) -> StdioServerParameters:
         return StdioServerParameters(
-            command=sys.executable,
-            args=[str(HERE / "smol_mcp.py")],
+            command=SERVER[0],
+            args=SERVER[1:],
             env=self.env,
         )
 
@@ -12483,8 +12491,8 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                 "SMOL_CLOUD_TOKEN": CLOUD_TOKEN,
             }
             params = StdioServerParameters(
-                command=sys.executable,
-                args=[str(HERE / "smol_mcp.py")],
+                command=SERVER[0],
+                args=SERVER[1:],
                 env=env,
             )
             for mode in MODES:
@@ -12516,8 +12524,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
     async def start_raw(self) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(HERE / "smol_mcp.py"),
+            *SERVER,
             env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -12629,8 +12636,7 @@ async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
     """Run the stdio server with these lines on stdin, then EOF; (exit code,
     stdout, stderr)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(HERE / "smol_mcp.py"),
+        *SERVER,
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -12748,7 +12754,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         for it."""
         command = unique_sleep(30)
         process = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py")],
+            [*SERVER],
             env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -12822,7 +12828,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             + jsonrpc(6, "tools/list")
         )
         out = subprocess.run(
-            [sys.executable, str(HERE / "smol_mcp.py")],
+            [*SERVER],
             input=lines,
             env=env,
             capture_output=True,
@@ -12978,8 +12984,7 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 
         async def one() -> tuple:
             process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(HERE / "smol_mcp.py"),
+                *SERVER,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -13116,8 +13121,7 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
                     "PATH": os.environ.get("PATH", ""),
                 }
                 process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    str(HERE / "smol_mcp.py"),
+                    *SERVER,
                     env=env,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -18915,7 +18919,7 @@ class OAuthCliTests(unittest.TestCase):
 
     def cli(self, *args, stdin=None):
         return subprocess.run(
-            [sys.executable, str(HERE / "smol_mcp.py"), *args],
+            [*SERVER, *args],
             env=self.env,
             input=stdin,
             capture_output=True,
@@ -20378,7 +20382,7 @@ class StdioScopesTests(FakeServeCase):
             "HOME": self.tmp,
         }
         params = StdioServerParameters(
-            command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
+            command=SERVER[0], args=SERVER[1:], env=env
         )
         async with Client(quiet_stdio(params), mode="auto") as c:
             self.assertEqual(
@@ -22618,7 +22622,7 @@ class ApprovalSigtermTests(unittest.TestCase):
         """A stdio server that holds every change for approval, already
         initialized."""
         server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py")],
+            [*SERVER],
             env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -24018,6 +24022,7 @@ def main() -> int:
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     integration = os.environ.get("SMOL_MCP_IT") == "1"
+    write_bytecode()
     guard = Guard()
     try:
         guard.start()
@@ -24042,6 +24047,21 @@ def main() -> int:
     outcome.report(sys.stderr, seconds)
     print(summary(outcome, seconds, integration, count, guard, problems))
     return 0 if outcome.passed() and not problems else 1
+
+
+def write_bytecode() -> None:
+    """Compile the server, this file and the fakes into their __pycache__
+    once, for the workers and the servers the tests start (SERVER) to load
+    rather than compile each time: PYTHONDONTWRITEBYTECODE, which a CI
+    machine may set, keeps Python from writing it itself. In a checkout
+    that cannot be written, each compiles as it starts, only slower."""
+    sources = [HERE / "smol_mcp.py", Path(__file__)]
+    sources += sorted((HERE / "tests" / "fakes").glob("*.py"))
+    for source in sources:
+        try:
+            py_compile.compile(str(source), doraise=True)
+        except OSError:
+            pass
 
 
 def treat_warnings_as_errors() -> None:
@@ -24380,8 +24400,9 @@ class Worker:
         self.log = open(f"{logs}/worker-{number}.log", "w+b")  # noqa: SIM115
         commands_read, self.commands = os.pipe()
         self.results, results_write = os.pipe()
-        # The worker imports this file as a module, from its cached
-        # bytecode: run as a script, it would compile 600 KB each time.
+        # The worker imports this file as a module, from the bytecode
+        # write_bytecode() left: run as a script, it would compile 600 KB
+        # each time.
         code = (
             "import sys, test_smol_mcp; "
             f"sys.exit(test_smol_mcp.run_worker({commands_read}, "
@@ -24590,7 +24611,7 @@ class Guard:
     def fill(self) -> None:
         """What a user who set up --http has: a token, the operator's
         password (both made by the CLI itself), and a config file."""
-        cli = [sys.executable, str(HERE / "smol_mcp.py")]
+        cli = [*SERVER]
         steps = (
             (["tokens", "create", "users-own", "--preset", "full"], None),
             (["operator", "set-password"], "the user's own password\n"),
