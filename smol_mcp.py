@@ -12831,6 +12831,9 @@ class Approvals:
         self.app = app
         # Principal id -> its calls waiting for approval.
         self.held_by: dict[str, int] = {}
+        # Calls that answered approval_interrupted: their answers may be
+        # on their way out still.
+        self.interrupted = 0
         # 2026-era client approvals filed, not yet answered.
         self.asked: set[str] = set()
         # stdio: the client went away; its waiting calls end.
@@ -12864,17 +12867,18 @@ class Approvals:
 
     async def interrupt(self) -> int:
         """At a stop signal, let waiting calls answer approval_interrupted
-        before anything ends; return how many were waiting.
+        before anything ends; return how many answered so. A call may
+        have seen the stop and answered already, before this was called.
         """
         self.app.stopping = True
-        waiting = sum(self.held_by.values())
-        if waiting:
+        if any(self.held_by.values()):
             with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
                 while any(self.held_by.values()):
                     await anyio.sleep(0.05)
+        if self.interrupted:
             # Their answers on their way out.
             await anyio.sleep(0.2)
-        return waiting
+        return self.interrupted
 
     def refuse(
         self, event: dict, outcome: str, detail: str, **extra: Any
@@ -13201,6 +13205,7 @@ class Approvals:
             )
         if self.app.stopping:
             back = " Call it again once the server is back."
+            self.interrupted += 1
             raise self.refuse(
                 event, "interrupted", f"the server stopped {waited}{back}"
             )

@@ -21429,6 +21429,21 @@ class ApprovalTests(FakeServeCase):
         self.assertNotIn("late", self.fake.machines)
         self.assertEqual(self.approval_events()[-1][0], "timed out")
 
+    async def test_a_call_that_saw_the_stop_first_still_counts(self):
+        # The stop signal is seen by the waiting call (app.stopping, set in
+        # the handler) and by the task that stops the POSTs (woken later):
+        # a call that answered first must still be waited for, or its
+        # answer is cut off by the shutdown error.
+        async with self.client("legacy") as c:
+            call = asyncio.create_task(
+                self.refused(c, "create-machine", {"name": "x", "image": "a"})
+            )
+            await self.waiting()
+            self.app.stopping = True
+            text = await asyncio.wait_for(call, 10)
+            self.assertTrue(text.startswith("approval_interrupted: "), text)
+            self.assertEqual(await self.app.approvals.interrupt(), 1)
+
     async def test_a_client_that_stops_waiting_cancels_the_request(self):
         async with self.client("legacy") as c:
             with anyio.move_on_after(1.5):
