@@ -19398,10 +19398,12 @@ class BodyShareTests(FrontCase):
         sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + body)
         return sock
 
-    async def halves(self, path: str, headers: dict, body: bytes, source=""):
+    async def halves(
+        self, path: str, headers: dict, body: bytes, source="127.0.0.1"
+    ):
         """A connection that sends a whole request in two, the body a
         moment after the headers: so it did not come with them."""
-        sock = self.whole(path, headers, b"", source or "127.0.0.1", body)
+        sock = self.whole(path, headers, b"", source, declared=body)
         await asyncio.sleep(0.2)
         sock.sendall(body)
         return sock
