@@ -12396,7 +12396,7 @@ class SmolMcp:
             if isinstance(ctx, PlainRequest):
                 ctx.failure = err
             message = explain(err)
-            gone = self.idle_gone(principal, entry, message)
+            gone = self.idle_gone(principal, entry, err)
             if gone:
                 message = f"{message}. {gone}"
             message = redact(message, self.config.secret_values())
@@ -12413,11 +12413,13 @@ class SmolMcp:
             logged("ok")
         return tool_result(result)
 
-    def idle_gone(self, principal: Principal, entry: dict, why: str) -> str:
+    def idle_gone(
+        self, principal: Principal, entry: dict, err: SmolError
+    ) -> str:
         """Why the machine a call named is not found, when its token's
         idle 2026-era state took it (HttpSessions.idle_ended_note); else
         ""."""
-        if self.http is None or "not found" not in why:
+        if self.http is None or not machine_missing(err):
             return ""
         target = entry.get("target")
         machine = entry.get("machine")
@@ -13309,14 +13311,22 @@ def bug_report(name: str, err: Exception) -> str:
     )
 
 
+def machine_missing(err: SmolError) -> bool:
+    """Whether ``err`` is the engine saying the machine named is not
+    there (our own lookup's words, or the serve's)."""
+    if not isinstance(err, ApiError) or err.status != 404:
+        return False
+    missing = ("machine '", "vm not found")
+    return any(words in err.api_message for words in missing)
+
+
 def explain(err: SmolError) -> str:
     """Return the error text, with what to do for the API refusals every
     tool can meet.
     """
     if not isinstance(err, ApiError):
         return str(err)
-    missing = ("machine '", "vm not found")
-    if err.status == 404 and any(s in err.api_message for s in missing):
+    if machine_missing(err):
         return str(err.with_hint("Check the name with list-machines"))
     if err.status == 404 and err.action.startswith(("read ", "write ")):
         hint = "Check the path: run-command with ls shows what is there"
@@ -13569,6 +13579,9 @@ def unparsed(err: Exception) -> tuple[Any, str]:
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Without a token (the sign-in, consent and OAuth forms): a form's worth.
 HTTP_MAX_PUBLIC_BODY_BYTES = 16 * 1024
+HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
+# One token's share of them: another token can always open one.
+HTTP_SESSIONS_PER_TOKEN = 16
 # Request bodies are read in shares, so a slow one holds up only its own
 # caller: its address (an IPv6 /64) before the token is known, its token
 # after. This many at once each...
@@ -13579,16 +13592,13 @@ HTTP_MAX_PUBLIC_BODIES = 32
 # A caller's bodies waiting for its share; one more is a 429 at once.
 # A waiting body holds no memory yet, so as many as a token has sessions:
 # a client busy in all of them is made to wait, never refused.
-HTTP_BODIES_WAITING_PER_CALLER = 16
+HTTP_BODIES_WAITING_PER_CALLER = HTTP_SESSIONS_PER_TOKEN
 # A body waits this long for a share, then it is a 429 (or a 503).
 HTTP_BODY_WAIT_SECS = 10
 # A body must keep arriving: a pause this long is a 408...
 HTTP_BODY_IDLE_SECS = 10
 # ...and so is a body still arriving after this.
 HTTP_BODY_TIMEOUT_SECS = 60
-HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
-# One token's share of them: another token can always open one.
-HTTP_SESSIONS_PER_TOKEN = 16
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 # A connection whose request headers are not in by then is closed.
 HTTP_HEADER_TIMEOUT_SECS = 10
