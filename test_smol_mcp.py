@@ -22785,6 +22785,28 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
 
+class BenchTargetTests(unittest.TestCase):
+    """The bench's per-call targets grow with a slow host as the bare SDK's
+    call in the same run measures it, and never shrink."""
+
+    def setUp(self):
+        import importlib.util
+
+        path = HERE / "bench" / "bench_smol_mcp.py"
+        spec = importlib.util.spec_from_file_location("bench_targets", path)
+        self.bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.bench)
+
+    def test_a_target_grows_with_the_sdks_call_and_never_shrinks(self):
+        scaled = self.bench.host_scaled
+        quiet = self.bench.SDK_CALL_QUIET["stdio"]
+        self.assertEqual(scaled(0.0003, quiet, "stdio"), (0.0003, ""))
+        self.assertEqual(scaled(0.0003, quiet / 2, "stdio"), (0.0003, ""))
+        limit, words = scaled(0.0003, quiet * 1.5, "stdio")
+        self.assertAlmostEqual(limit, 0.00045)
+        self.assertIn("x 1.50", words)
+
+
 class MinimalServerProcessTests(unittest.TestCase):
     """The benchmark's bare SDK server in several processes stops them
     all when told to stop: no child outlives a run (uvicorn raises the
