@@ -22856,6 +22856,25 @@ class MinimalServerProcessTests(unittest.TestCase):
             time.sleep(0.1)
 
 
+class WorkerCountTests(unittest.TestCase):
+    """How many workers the runner starts, and the docs that say it."""
+
+    def test_the_default_is_the_one_the_docs_name(self):
+        words = {2: "two", 3: "three", 4: "four", 6: "six"}
+        said = f"default {words[WORKERS_PER_CORE]} a core"
+        for name in ("README.md", "docs/CONTRIBUTING.md"):
+            text = " ".join((HERE / name).read_text().split())
+            text = text.replace("default:", "default")
+            self.assertTrue(said in text, f"{name} does not say {said!r}")
+        cores = len(os.sched_getaffinity(0))
+        environ = os.environ
+        with unittest.mock.patch.dict(environ, SMOL_MCP_TEST_WORKERS=""):
+            self.assertEqual(worker_count(1000), WORKERS_PER_CORE * cores)
+            self.assertEqual(worker_count(1), 1)
+        with unittest.mock.patch.dict(environ, SMOL_MCP_TEST_WORKERS="5"):
+            self.assertEqual(worker_count(1000), 5)
+
+
 class GuardTests(unittest.TestCase):
     """The runner's guard: a stand-in for the user's directories that a
     test cannot use unnoticed."""
@@ -24169,15 +24188,19 @@ def slowness_rank(name: str) -> int:
     return len(SLOWEST)
 
 
+# The classes spend over half their time waiting on subprocesses, sockets
+# and sleeps: on 2 cores, 6 workers kept both 88% busy, 4 kept 78%.
+WORKERS_PER_CORE = 3
+
+
 def worker_count(units: int) -> int:
-    """SMOL_MCP_TEST_WORKERS, else three a core, at most one a unit: the
-    classes spend over half their time waiting on subprocesses, sockets
-    and sleeps (on 2 cores, 6 workers kept both 88% busy, 4 kept 78%)."""
+    """SMOL_MCP_TEST_WORKERS, else WORKERS_PER_CORE a core, at most one a
+    unit."""
     wanted = os.environ.get("SMOL_MCP_TEST_WORKERS", "").strip()
     if wanted:
         count = int(wanted)
     else:
-        count = 3 * len(os.sched_getaffinity(0))
+        count = WORKERS_PER_CORE * len(os.sched_getaffinity(0))
     return max(1, min(count, units))
 
 
