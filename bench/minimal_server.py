@@ -96,19 +96,26 @@ def serve_processes(port: int, processes: int) -> None:
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    stopping = (signal.SIGTERM, signal.SIGINT)
+    for sig in stopping:
         signal.signal(sig, stop)
     listening = listen(port)
     children = []
-    for _ in range(processes - 1):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                anyio.run(run_http, listening)
-            finally:
-                os._exit(0)
-        children.append(pid)
+    # Held until the forks are done: a signal that came during os.fork()
+    # ran its handler in an at-fork callback, which ignores the
+    # exception, and the stop was lost (one run in 60 under load).
+    signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
     try:
+        for _ in range(processes - 1):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
+                    anyio.run(run_http, listening)
+                finally:
+                    os._exit(0)
+            children.append(pid)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         anyio.run(run_http, listening)
     finally:
         for pid in children:
