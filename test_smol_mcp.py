@@ -22519,7 +22519,10 @@ class ConsoleBrowserTests(HttpCase):
         self.assertIn(
             "m59", (await page.locator("ol li").all_inner_texts())[0]
         )  # newest first
-        await page.get_by_role("link", name="Older").click()
+        # Read once the older page has loaded: a click returns when the
+        # navigation starts, with the list not yet there (0 rows).
+        async with page.expect_navigation():
+            await page.get_by_role("link", name="Older").click()
         self.assertEqual(
             len(await page.locator("ol li").all_inner_texts()), 10
         )
