@@ -103,7 +103,7 @@ def serve_processes(port: int, processes: int) -> None:
     children = []
     # Held until the forks are done: a signal that came during os.fork()
     # ran its handler in an at-fork callback, which ignores the
-    # exception, and the stop was lost (one run in 60 under load).
+    # exception, and the stop was lost (4 stops of 160 under load).
     signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
     try:
         for _ in range(processes - 1):
