@@ -11088,7 +11088,7 @@ class TerminalTests(unittest.TestCase):
             "SMOLVM": str(FAKE_CLI),
         }
         proc = subprocess.Popen(
-            [*SERVER],
+            SERVER,
             stdin=tty_fd,
             stdout=tty_fd,
             stderr=subprocess.PIPE,
@@ -11128,7 +11128,7 @@ class TerminalTests(unittest.TestCase):
 
     def test_a_pipe_on_stdin_gets_no_such_line(self):
         out = subprocess.run(
-            [*SERVER],
+            SERVER,
             input="",
             capture_output=True,
             text=True,
@@ -12755,7 +12755,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         for it."""
         command = unique_sleep(30)
         process = subprocess.Popen(
-            [*SERVER],
+            SERVER,
             env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -12829,7 +12829,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             + jsonrpc(6, "tools/list")
         )
         out = subprocess.run(
-            [*SERVER],
+            SERVER,
             input=lines,
             env=env,
             capture_output=True,
@@ -22643,7 +22643,7 @@ class ApprovalSigtermTests(unittest.TestCase):
         """A stdio server that holds every change for approval, already
         initialized."""
         server = subprocess.Popen(
-            [*SERVER],
+            SERVER,
             env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -24693,14 +24693,13 @@ class Guard:
     def fill(self) -> None:
         """What a user who set up --http has: a token, the operator's
         password (both made by the CLI itself), and a config file."""
-        cli = [*SERVER]
         steps = (
             (["tokens", "create", "users-own", "--preset", "full"], None),
             (["operator", "set-password"], "the user's own password\n"),
         )
         made = [
             subprocess.Popen(
-                cli + argv,
+                SERVER + argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
