@@ -22859,6 +22859,63 @@ class MinimalServerProcessTests(unittest.TestCase):
             time.sleep(0.1)
 
 
+class MinimalServerEngineTests(unittest.TestCase):
+    """The floor of the throughput rows: the bare SDK server's get-machine
+    makes the one engine request smol-mcp's makes and answers with what
+    the engine said (a floor that asked nothing would flatter nothing)."""
+
+    def test_get_machine_asks_the_engine_and_returns_its_record(self):
+        tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        fake = FakeSmolvm(f"{tmp}/fake.sock")
+        fake.start()
+        self.addCleanup(fake.stop)
+        conn = smol_mcp.UnixHTTPConnection(f"{tmp}/fake.sock", 10)
+        body = json.dumps({"name": "floor-1", "image": "alpine"})
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/api/v1/machines", body=body, headers=headers)
+        self.assertLess(conn.getresponse().status, 300)
+        conn.close()
+        script = HERE / "bench" / "minimal_server.py"
+        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock"}
+        lines = [
+            jsonrpc(1, "initialize", INITIALIZE),
+            jsonrpc(None, "notifications/initialized"),
+            jsonrpc(2, "tools/list"),
+            jsonrpc(
+                3,
+                "tools/call",
+                {
+                    "name": "get-machine",
+                    "arguments": {"name": "floor-1"},
+                },
+            ),
+        ]
+        server = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        self.addCleanup(server.kill)
+        answers = {}
+        for line in lines:
+            server.stdin.write(line)
+            server.stdin.flush()
+            if b'"id"' in line:
+                answer = json.loads(server.stdout.readline())
+                answers[answer["id"]] = answer
+        server.stdin.close()
+        server.wait(timeout=20)
+        names = [tool["name"] for tool in answers[2]["result"]["tools"]]
+        self.assertEqual(names, ["echo", "get-machine"])
+        machine = answers[3]["result"]["structuredContent"]["machine"]
+        self.assertEqual(machine["name"], "floor-1")
+        asked = [r[:2] for r in fake.requests if r[0] == "GET"]
+        self.assertEqual(asked, [("GET", "/api/v1/machines/floor-1")])
+
+
 class WorkerCountTests(unittest.TestCase):
     """How many workers the runner starts, and the docs that say it."""
 

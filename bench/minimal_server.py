@@ -13,6 +13,13 @@ One low-level ``Server`` with one trivial tool (``echo``), served over stdio
 uvicorn, the way smol_mcp.py serves it (minus the token gate and its tools).
 Whatever smol-mcp costs beyond this is smol-mcp's own.
 
+With SMOL_LOCAL_URL set (``unix:///path`` or ``http://host:port``), a
+second tool, ``get-machine``, makes the one engine request that
+smol_mcp.py's get-machine makes (GET /api/v1/machines/{name}, on a
+kept-alive connection) and returns the record, as plainly as asyncio
+allows: the floor of a call that waits on the engine, which ``echo`` is
+not.
+
 ``--http PORT --processes N`` serves from N processes that accept on one
 listening socket (forked after it is bound): what more than one core gives
 the bare SDK, for the 2026-07-28 era, whose requests need no session. A
@@ -22,7 +29,11 @@ keep-alive connection stays with the process that accepted it.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import sys
+import urllib.parse
 
 import anyio
 import mcp_types as types
@@ -43,20 +54,96 @@ ECHO = types.Tool(
 )
 
 
+GET_MACHINE = types.Tool(
+    name="get-machine",
+    description="Return a machine's record, as the engine has it",
+    input_schema={
+        "type": "object",
+        "properties": {"name": {"type": "string"}},
+        "required": ["name"],
+    },
+)
+
+
+class Engine:
+    """The serve at SMOL_LOCAL_URL: GETs on kept-alive connections, one a
+    call in flight, at most MAX_IDLE kept between calls (as smol_mcp.py's
+    QuickReader keeps them)."""
+
+    MAX_IDLE = 8
+
+    def __init__(self, url: str):
+        self.url = urllib.parse.urlsplit(url)
+        self.idle: list = []
+
+    async def connect(self):
+        if self.url.scheme == "unix":
+            return await asyncio.open_unix_connection(self.url.path)
+        return await asyncio.open_connection(self.url.hostname, self.url.port)
+
+    async def get(self, path: str) -> dict:
+        """The JSON body of a GET of ``path`` (any status)."""
+        if self.idle:
+            reader, writer = self.idle.pop()
+        else:
+            reader, writer = await self.connect()
+        request = f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        writer.write(request.encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        if len(self.idle) < self.MAX_IDLE:
+            self.idle.append((reader, writer))
+        else:
+            writer.close()
+        return json.loads(body)
+
+
+ENGINE = None
+if os.environ.get("SMOL_LOCAL_URL"):
+    ENGINE = Engine(os.environ["SMOL_LOCAL_URL"])
+
+
 async def list_tools(ctx, params):
-    return types.ListToolsResult(tools=[ECHO])
+    if ENGINE is None:
+        return types.ListToolsResult(tools=[ECHO])
+    return types.ListToolsResult(tools=[ECHO, GET_MACHINE])
 
 
 async def call_tool(ctx, params):
-    text = str((params.arguments or {}).get("text", ""))
+    arguments = params.arguments or {}
+    if params.name == "get-machine" and ENGINE is not None:
+        name = urllib.parse.quote(str(arguments.get("name", "")), safe="")
+        machine = await ENGINE.get(f"/api/v1/machines/{name}")
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=json.dumps(machine))],
+            structured_content={"machine": machine},
+        )
+    text = str(arguments.get("text", ""))
     return types.CallToolResult(
         content=[types.TextContent(type="text", text=text)],
         structured_content={"text": text},
     )
 
 
+def no_header_schema(name: str) -> None:
+    """No tool here declares x-mcp-header, as none of smol_mcp.py's does,
+    and it tells the SDK the same way: without it the SDK would list every
+    tool at each 2026-era call to look for Mcp-Param-* headers to check,
+    a cost of the floor's configuration, not of the SDK."""
+    return None
+
+
 server = Server(
-    "minimal", version="1.0", on_list_tools=list_tools, on_call_tool=call_tool
+    "minimal",
+    version="1.0",
+    on_list_tools=list_tools,
+    on_call_tool=call_tool,
+    get_tool_input_schema=no_header_schema,
 )
 
 
