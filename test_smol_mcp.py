@@ -43,6 +43,7 @@ import os
 import py_compile
 import re
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -10258,7 +10259,6 @@ def endless_body(
 ) -> tuple[bytes, int, bool]:
     """Send a chunked body that never ends, for at most ``seconds``: (what the
     server answered, bytes sent, whether the server ended the connection)."""
-    import select
 
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setblocking(False)
@@ -11097,8 +11097,6 @@ class TerminalTests(unittest.TestCase):
         )
         os.close(tty_fd)
         try:
-            import select
-
             ready, _, _ = select.select([proc.stderr], [], [], 30)
             self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
@@ -22861,8 +22859,9 @@ class MinimalServerProcessTests(unittest.TestCase):
 
 class MinimalServerEngineTests(unittest.TestCase):
     """The floor of the throughput rows: the bare SDK server's get-machine
-    makes the one engine request smol-mcp's makes and answers with what
-    the engine said (a floor that asked nothing would flatter nothing)."""
+    makes the one engine request smol-mcp's makes, on a connection it
+    keeps, and answers with what the engine said (a floor that asked
+    nothing would flatter nothing)."""
 
     def test_get_machine_asks_the_engine_and_returns_its_record(self):
         tmp = short_tempdir()
@@ -22877,43 +22876,52 @@ class MinimalServerEngineTests(unittest.TestCase):
         self.assertLess(conn.getresponse().status, 300)
         conn.close()
         script = HERE / "bench" / "minimal_server.py"
-        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock"}
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": tmp,
+            "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock",
+        }
+        call = {"name": "get-machine", "arguments": {"name": "floor-1"}}
         lines = [
             jsonrpc(1, "initialize", INITIALIZE),
             jsonrpc(None, "notifications/initialized"),
             jsonrpc(2, "tools/list"),
-            jsonrpc(
-                3,
-                "tools/call",
-                {
-                    "name": "get-machine",
-                    "arguments": {"name": "floor-1"},
-                },
-            ),
+            jsonrpc(3, "tools/call", call),
+            jsonrpc(4, "tools/call", call),
         ]
-        server = subprocess.Popen(
-            [sys.executable, str(script)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        self.addCleanup(server.kill)
-        answers = {}
-        for line in lines:
-            server.stdin.write(line)
-            server.stdin.flush()
-            if b'"id"' in line:
-                answer = json.loads(server.stdout.readline())
+        log_path = Path(tmp) / "minimal.log"
+        with open(log_path, "wb") as log_file:
+            server = subprocess.Popen(
+                [sys.executable, str(script)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                env=env,
+            )
+        with server:
+            answers = {}
+            for line in lines:
+                server.stdin.write(line)
+                server.stdin.flush()
+                if b'"id"' not in line:
+                    continue
+                ready, _, _ = select.select([server.stdout], [], [], 30)
+                said = log_path.read_text(errors="replace")
+                self.assertTrue(ready, f"no answer in 30 s; stderr: {said}")
+                answer = json.loads(server.stdout.readline() or "null")
+                self.assertIsInstance(answer, dict, f"stderr: {said}")
                 answers[answer["id"]] = answer
-        server.stdin.close()
-        server.wait(timeout=20)
+            server.stdin.close()
+            server.wait(timeout=20)
         names = [tool["name"] for tool in answers[2]["result"]["tools"]]
         self.assertEqual(names, ["echo", "get-machine"])
-        machine = answers[3]["result"]["structuredContent"]["machine"]
-        self.assertEqual(machine["name"], "floor-1")
+        for id_ in (3, 4):
+            result = answers[id_]["result"]
+            self.assertEqual(
+                result["structuredContent"]["machine"]["name"], "floor-1"
+            )
         asked = [r[:2] for r in fake.requests if r[0] == "GET"]
-        self.assertEqual(asked, [("GET", "/api/v1/machines/floor-1")])
+        self.assertEqual(asked, [("GET", "/api/v1/machines/floor-1")] * 2)
 
 
 class WorkerCountTests(unittest.TestCase):

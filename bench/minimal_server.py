@@ -76,27 +76,40 @@ class Engine:
         self.url = urllib.parse.urlsplit(url)
         self.idle: list = []
 
-    async def connect(self):
+    async def connected(self):
+        """A kept connection the engine has not closed, else a new one."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
         if self.url.scheme == "unix":
             return await asyncio.open_unix_connection(self.url.path)
         return await asyncio.open_connection(self.url.hostname, self.url.port)
 
     async def get(self, path: str) -> dict:
-        """The JSON body of a GET of ``path`` (any status)."""
-        if self.idle:
-            reader, writer = self.idle.pop()
-        else:
-            reader, writer = await self.connect()
-        request = f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n"
-        writer.write(request.encode())
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
-                length = int(value)
-        body = await reader.readexactly(length)
-        if len(self.idle) < self.MAX_IDLE:
+        """The JSON body of a GET of ``path``; RuntimeError for any answer
+        but a 200 of a length (a floor that passed a failure off as a call
+        would flatter nothing)."""
+        reader, writer = await self.connected()
+        try:
+            request = f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            writer.write(request.encode())
+            head = await reader.readuntil(b"\r\n\r\n")
+            status_line, *lines = head.decode("latin-1").split("\r\n")
+            fields = {}
+            for line in lines:
+                name, _, value = line.partition(":")
+                fields[name.strip().lower()] = value.strip()
+            length = fields.get("content-length", "")
+            if status_line.split()[1] != "200" or not length.isdigit():
+                raise RuntimeError(f"the engine answered {head[:200]!r}")
+            body = await reader.readexactly(int(length))
+        except BaseException:
+            writer.close()
+            raise
+        closing = fields.get("connection") == "close"
+        if not closing and len(self.idle) < self.MAX_IDLE:
             self.idle.append((reader, writer))
         else:
             writer.close()
