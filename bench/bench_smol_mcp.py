@@ -861,8 +861,13 @@ class Bench:
 
         They are measured against the bare SDK server; the script run
         directly (compiled at each start) is shown for information.
+        Twenty rounds even in a quick run: this server's start costs a few
+        percent over the bare one's (its own module and arguments, about
+        30 ms), and spawn to spawn a round's ratio moves by more than the
+        target's 5% (with ten, the median read 0.97x to 1.12x on this host
+        in one afternoon).
         """
-        runs = 10 if self.quick else 15
+        runs = 20 if self.quick else 30
         kinds = {
             "smol": lambda: self.spawn_stdio(),
             "script": lambda: self.spawn_stdio(script=True),
