@@ -52,7 +52,6 @@ import base64
 import contextvars
 import dataclasses
 import datetime
-import difflib
 import errno
 import fcntl
 import functools
@@ -81,7 +80,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -5364,7 +5362,10 @@ def did_you_mean(
     word: str, choices: Iterable[str], cutoff: float = 0.6
 ) -> str:
     """' (did you mean "x"?)' naming the closest choice, or "" when none is
-    close."""
+    close. difflib is imported here: only a refusal needs it, and
+    every start would pay for it."""
+    import difflib
+
     hint = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return f' (did you mean "{hint[0]}"?)' if hint else ""
 
@@ -18198,8 +18199,11 @@ def merge_toml(
 
     Every other setting is kept. Raise SmolError when the file is not
     TOML, has [key.smol] already (unless ``force``), or the result would
-    not read back with every setting as it was.
+    not read back with every setting as it was. tomllib is imported
+    here: only `setup --write` reads TOML.
     """
+    import tomllib
+
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -18283,6 +18287,8 @@ def without_smol_table(text: str, key: str) -> str:
 
 def toml_reads_back(merged: str, existing: dict, key: str, entry: dict):
     """Return whether ``merged`` holds ``existing`` and the entry, exactly."""
+    import tomllib
+
     expected = {**existing, key: {**existing.get(key, {}), "smol": entry}}
     try:
         return tomllib.loads(merged) == expected

@@ -830,7 +830,8 @@ class PiecesTests(unittest.TestCase):
 
     def test_importing_the_module_loads_no_http_stack_or_sdk(self):
         # what stdio needs of the SDK it imports when it serves; uvicorn and
-        # starlette only --http
+        # starlette only --http; tomllib only `setup --write`, difflib only
+        # a refusal's "did you mean" (every start would pay for them)
         code = (
             "import smol_mcp, sys; "
             "print(sorted({m.split('.')[0] for m in sys.modules}))"
@@ -849,6 +850,8 @@ class PiecesTests(unittest.TestCase):
             "mcp",
             "mcp_types",
             "jsonschema",
+            "tomllib",
+            "difflib",
         ):
             self.assertNotIn(f"'{heavy}'", loaded)
 
