@@ -828,7 +828,7 @@ class PiecesTests(unittest.TestCase):
             len(head.encode()) + len(tail.encode()) + omitted, len(data)
         )
 
-    def test_importing_the_module_loads_no_http_stack_or_sdk(self):
+    def test_importing_the_module_loads_only_what_every_start_needs(self):
         # what stdio needs of the SDK it imports when it serves; uvicorn and
         # starlette only --http; tomllib only `setup --write`, difflib only
         # a refusal's "did you mean" (every start would pay for them)
