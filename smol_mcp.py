@@ -2385,8 +2385,11 @@ class LocalFleet(LocalServe):
             if port.get("host"):
                 where = f"ports[{index}].host"
                 check_host_port(self.config, port["host"], where)
+        named = [p["host"] for p in spec.ports if p.get("host")]
+        unnamed = len(spec.ports) - len(named)
+        picks = iter(free_ports(address, unnamed, named))
         ports = [
-            {"host": p.get("host") or free_port(address), "guest": p["guest"]}
+            {"host": p.get("host") or next(picks), "guest": p["guest"]}
             for p in spec.ports
         ]
         mounts = [
@@ -3004,14 +3007,14 @@ class LocalFleet(LocalServe):
             )
         if host is not None:
             check_host_port(self.config, host, "hostPort")
-        chosen = host or free_port(address)
+        chosen = host or free_port(address, taken)
         try:
             self._put_ports(name, ports + [{"host": chosen, "guest": guest}])
         except ApiError as err:
             if err.code != "PORT_IN_USE" or host is not None:
                 raise port_in_use(err, host) from None
             # Taken since it was picked: once more, with another.
-            chosen = free_port(address)
+            chosen = free_port(address, taken)
             self._put_ports(name, ports + [{"host": chosen, "guest": guest}])
         return published(address, guest, chosen, True)
 
@@ -3561,12 +3564,35 @@ def stream_exit_code(name: str, data: str) -> int:
         ) from None
 
 
-def free_port(address: str = "127.0.0.1") -> int:
-    """A host port that is free on ``address`` right now, for a published
-    port given without one."""
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
+def free_port(address: str = "127.0.0.1", taken: Iterable[int] = ()) -> int:
+    """A host port that is free on ``address`` right now and not in
+    ``taken``, for a published port given without one."""
+    return free_ports(address, 1, taken)[0]
+
+
+def free_ports(
+    address: str, count: int, taken: Iterable[int] = ()
+) -> list[int]:
+    """``count`` distinct host ports free on ``address`` right now and not
+    in ``taken``. Every socket stays bound until all are picked: a port
+    just released can be handed out again, and the engine refuses a
+    machine that maps one host port twice. A pick in ``taken`` stays
+    bound too, so each is made at most once."""
+    taken = set(taken)
+    held = []
+    picked = []
+    try:
+        while len(picked) < count:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind((address, 0))
+            port = sock.getsockname()[1]
+            if port not in taken:
+                picked.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    return picked
 
 
 def port_specs(info: dict) -> list[dict]:

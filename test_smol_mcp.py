@@ -855,6 +855,35 @@ class PiecesTests(unittest.TestCase):
         ):
             self.assertNotIn(f"'{heavy}'", loaded)
 
+    def test_free_ports_are_distinct_and_miss_the_taken_ones(self):
+        # A kernel may hand a port just released out again (this one
+        # always does: the lowest not bound); each pick of a create's
+        # ports must be bound until all are made, or two collide.
+        bound = set()
+
+        class Kernel:
+            def bind(self, address):
+                self.port = min(set(range(40000, 40100)) - bound)
+                bound.add(self.port)
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+            def close(self):
+                bound.discard(getattr(self, "port", None))
+
+        with unittest.mock.patch.object(smol_mcp.socket, "socket", Kernel):
+            self.assertEqual(
+                smol_mcp.free_ports("127.0.0.1", 3), [40000, 40001, 40002]
+            )
+            self.assertEqual(
+                smol_mcp.free_ports("127.0.0.1", 2, [40000, 40002]),
+                [40001, 40003],
+            )
+            self.assertEqual(smol_mcp.free_port("127.0.0.1", {40000}), 40001)
+            self.assertEqual(smol_mcp.free_ports("127.0.0.1", 0), [])
+        self.assertEqual(bound, set())
+
     def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
         # Under a quarter of the byte limit but dear in tokens (control
         # characters): the tail's window began before the stream's start (an
