@@ -32,6 +32,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import gc
 import hashlib
 import inspect
 import io
@@ -10330,6 +10331,33 @@ class HttpFrontTests(HttpCase):
         response = await self.raw("POST", "/mcp", auth, INIT_BODY)
         self.assertEqual(response.status_code, 200)
         self.assertLess(time.monotonic() - started, 5)
+
+    async def test_a_served_request_leaves_no_cycle_for_the_collector(self):
+        # The cycle's scope names the cycle (request_cycle): by a strong
+        # reference that is a cycle, and every request's objects would
+        # wait for the collector instead of going with their last use. (A
+        # path the gate answers: an MCP session would hold its request.)
+        auth = {"Authorization": f"Bearer {HTTP_TOKEN}"}
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                response = await self.raw("GET", "/elsewhere", auth)
+                self.assertEqual(response.status_code, 404)
+            # The server has seen each connection close.
+            await asyncio.sleep(0.2)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            kept = [
+                type(thing).__name__
+                for thing in gc.garbage
+                if type(thing).__name__ == "RequestResponseCycle"
+            ]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        self.assertEqual(kept, [])
 
     async def test_an_endless_unauthenticated_body_gets_401_and_closes(self):
         results = [
