@@ -9048,68 +9048,6 @@ class ExposePortScenarios(LongWorkScenarios):
                 )
                 self.assertIn('"port"', text)
 
-    async def test_a_create_picks_distinct_ports_from_a_kernel_that_repeats(
-        self,
-    ):
-        # A kernel may hand out again a port just released; this one
-        # always does (the lowest of a few free ports that no pick holds).
-        # Picked one by one, a create's ports were one port, which the
-        # engine refuses; so is a pick that is a port the create names.
-        real = socket.socket
-        spare = [real() for _ in range(4)]
-        for sock in spare:
-            sock.bind(("127.0.0.1", 0))
-        pool = sorted(sock.getsockname()[1] for sock in spare)
-        for sock in spare:
-            sock.close()
-        bound = set()
-
-        class Kernel:
-            def __new__(cls, *args, **kwargs):
-                # Any other socket made meanwhile (the fake's accepts).
-                if args or kwargs:
-                    return real(*args, **kwargs)
-                return super().__new__(cls)
-
-            def bind(self, address):
-                self.port = min(set(pool) - bound)
-                bound.add(self.port)
-
-            def getsockname(self):
-                return ("127.0.0.1", self.port)
-
-            def close(self):
-                bound.discard(getattr(self, "port", None))
-
-        picking = smol_mcp.free_ports
-
-        def repeating(*args):
-            with unittest.mock.patch.object(socket, "socket", Kernel):
-                return picking(*args)
-
-        # And one the agent names, the port the kernel would pick first.
-        ports = [{"guest": 1000 + i} for i in range(3)]
-        ports.append({"guest": 1003, "host": pool[0]})
-        self.app = SmolMcp(
-            dataclasses_replace(self.config, expose_ports=(str(pool[0]),))
-        )
-        with unittest.mock.patch.object(smol_mcp, "free_ports", repeating):
-            async with self.client("legacy") as c:
-                await self.ok(
-                    c,
-                    "create-machine",
-                    {
-                        "name": self.machine_name,
-                        "image": "alpine",
-                        "network": "open",
-                        "ports": ports,
-                    },
-                )
-        hosts = [
-            p["host"] for p in self.fake.machines[self.machine_name]["ports"]
-        ]
-        self.assertEqual(hosts, [*pool[1:], pool[0]])
-
     async def test_a_machine_publishes_at_most_sixteen_ports(self):
         ports = [{"guest": 1000 + i} for i in range(16)]
         async with self.client("legacy") as c:
@@ -9180,6 +9118,68 @@ class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
 
     def journal(self) -> list:
         return self.fake.requests
+
+    async def test_a_create_picks_distinct_ports_from_a_kernel_that_repeats(
+        self,
+    ):
+        # A kernel may hand out again a port just released; this one
+        # always does (the lowest of a few free ports that no pick holds).
+        # Picked one by one, a create's ports were one port, which the
+        # engine refuses; so is a pick that is a port the create names.
+        real = socket.socket
+        spare = [real() for _ in range(4)]
+        for sock in spare:
+            sock.bind(("127.0.0.1", 0))
+        pool = sorted(sock.getsockname()[1] for sock in spare)
+        for sock in spare:
+            sock.close()
+        bound = set()
+
+        class Kernel:
+            def __new__(cls, *args, **kwargs):
+                # Any other socket made meanwhile (the fake's accepts).
+                if args or kwargs:
+                    return real(*args, **kwargs)
+                return super().__new__(cls)
+
+            def bind(self, address):
+                self.port = min(set(pool) - bound)
+                bound.add(self.port)
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+            def close(self):
+                bound.discard(getattr(self, "port", None))
+
+        picking = smol_mcp.free_ports
+
+        def repeating(*args):
+            with unittest.mock.patch.object(socket, "socket", Kernel):
+                return picking(*args)
+
+        # And one the agent names, the port the kernel would pick first.
+        ports = [{"guest": 1000 + i} for i in range(3)]
+        ports.append({"guest": 1003, "host": pool[0]})
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, expose_ports=(str(pool[0]),))
+        )
+        with unittest.mock.patch.object(smol_mcp, "free_ports", repeating):
+            async with self.client("legacy") as c:
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "name": self.machine_name,
+                        "image": "alpine",
+                        "network": "open",
+                        "ports": ports,
+                    },
+                )
+        hosts = [
+            p["host"] for p in self.fake.machines[self.machine_name]["ports"]
+        ]
+        self.assertEqual(hosts, [*pool[1:], pool[0]])
 
     async def serve_in_guest(self, c, port: int) -> None:
         """A web server in the guest on ``port``, answering "hello"."""
