@@ -806,6 +806,35 @@ class PublicSdkTests(unittest.TestCase):
         )
 
 
+def repeating_kernel(ports: typing.Iterable[int]) -> type:
+    """A stand-in for socket.socket whose sockets made without arguments
+    bind the lowest of ``ports`` that none of them holds (``bound``): a
+    kernel that hands a port just released out again. Made with
+    arguments (another socket made meanwhile), a real socket."""
+    real = socket.socket
+    ports = set(ports)
+
+    class Kernel:
+        bound: set = set()
+
+        def __new__(cls, *args, **kwargs):
+            if args or kwargs:
+                return real(*args, **kwargs)
+            return super().__new__(cls)
+
+        def bind(self, address):
+            self.port = min(ports - self.bound)
+            self.bound.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            self.bound.discard(getattr(self, "port", None))
+
+    return Kernel
+
+
 class PiecesTests(unittest.TestCase):
     def test_head_and_tail_keeps_both_ends_and_counts_the_gap(self):
         data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
@@ -860,19 +889,7 @@ class PiecesTests(unittest.TestCase):
         # A kernel may hand a port just released out again (this one
         # always does: the lowest not bound); each pick of a create's
         # ports must be bound until all are made, or two collide.
-        bound = set()
-
-        class Kernel:
-            def bind(self, address):
-                self.port = min(set(range(40000, 40100)) - bound)
-                bound.add(self.port)
-
-            def getsockname(self):
-                return ("127.0.0.1", self.port)
-
-            def close(self):
-                bound.discard(getattr(self, "port", None))
-
+        Kernel = repeating_kernel(range(40000, 40100))
         with unittest.mock.patch.object(smol_mcp.socket, "socket", Kernel):
             self.assertEqual(
                 smol_mcp.free_ports("127.0.0.1", 3), [40000, 40001, 40002]
@@ -883,7 +900,7 @@ class PiecesTests(unittest.TestCase):
             )
             self.assertEqual(smol_mcp.free_port("127.0.0.1", {40000}), 40001)
             self.assertEqual(smol_mcp.free_ports("127.0.0.1", 0), [])
-        self.assertEqual(bound, set())
+        self.assertEqual(Kernel.bound, set())
 
     def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
         # Under a quarter of the byte limit but dear in tokens (control
@@ -9126,32 +9143,13 @@ class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
         # always does (the lowest of a few free ports that no pick holds).
         # Picked one by one, a create's ports were one port, which the
         # engine refuses; so is a pick that is a port the create names.
-        real = socket.socket
-        spare = [real() for _ in range(4)]
+        spare = [socket.socket() for _ in range(4)]
         for sock in spare:
             sock.bind(("127.0.0.1", 0))
         pool = sorted(sock.getsockname()[1] for sock in spare)
         for sock in spare:
             sock.close()
-        bound = set()
-
-        class Kernel:
-            def __new__(cls, *args, **kwargs):
-                # Any other socket made meanwhile (the fake's accepts).
-                if args or kwargs:
-                    return real(*args, **kwargs)
-                return super().__new__(cls)
-
-            def bind(self, address):
-                self.port = min(set(pool) - bound)
-                bound.add(self.port)
-
-            def getsockname(self):
-                return ("127.0.0.1", self.port)
-
-            def close(self):
-                bound.discard(getattr(self, "port", None))
-
+        Kernel = repeating_kernel(pool)
         picking = smol_mcp.free_ports
 
         def repeating(*args):
