@@ -13642,8 +13642,8 @@ HTTP_CONNECTIONS_PER_ADDRESS = 32
 # uvicorn's own backstop: beyond it, 503.
 HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS
 HTTP_CLOSE = [(b"connection", b"close")]
-# The scope extension that names a request's uvicorn cycle, set by
-# guarded_protocol: request_cycle reads it.
+# The scope extension that names a request's uvicorn cycle (by a weak
+# reference), set by guarded_protocol: request_cycle reads it.
 CYCLE_EXTENSION = "smol-mcp.cycle"
 # Ends a session that never made a call (or the idle time, if less).
 HTTP_UNUSED_SESSION_SECS = 300
@@ -13914,14 +13914,6 @@ async def read_pieces(
             return b"".join(chunks), outcome
 
 
-def body_arrived(scope: dict) -> bool:
-    """Whether uvicorn holds the request's whole body already (it came
-    with the headers): then reading it cannot wait. False over any server
-    but guarded_protocol's."""
-    cycle = request_cycle(scope)
-    return cycle is not None and not cycle.more_body
-
-
 def request_cycle(scope: dict) -> Any:
     """The uvicorn cycle serving the request of ``scope``, while it
     lives; None over any server but guarded_protocol's."""
@@ -13929,6 +13921,14 @@ def request_cycle(scope: dict) -> Any:
     if cycle is None:
         return None
     return cycle()
+
+
+def body_arrived(scope: dict) -> bool:
+    """Whether uvicorn holds the request's whole body already (it came
+    with the headers): then reading it cannot wait. False over any server
+    but guarded_protocol's."""
+    cycle = request_cycle(scope)
+    return cycle is not None and not cycle.more_body
 
 
 def public_body_limit(path: str) -> tuple[int, dict]:
