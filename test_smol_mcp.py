@@ -12668,7 +12668,13 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
     async def read_answer(self, process, id_) -> dict:
         while True:
-            line = await asyncio.wait_for(process.stdout.readline(), 30)
+            try:
+                line = await asyncio.wait_for(process.stdout.readline(), 30)
+            except TimeoutError:
+                # What it said is what tells a slow host from a hang.
+                process.kill()
+                said = (await process.stderr.read())[-2000:]
+                self.fail(f"no answer {id_} within 30 s; stderr: {said!r}")
             self.assertTrue(line, "the server closed stdout")
             message = json.loads(line)
             if message.get("id") == id_:
