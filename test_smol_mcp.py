@@ -7876,12 +7876,18 @@ EXACT_OUTPUTS = (
 class LongWorkScenarios:
     machine_name = "live"
 
-    async def machine(self, c) -> str:
-        """A running machine to work in, on the class's fleet."""
+    async def machine(self, c, **extra) -> str:
+        """A running machine to work in, on the class's fleet (``extra``:
+        more of create-machine's arguments)."""
         await self.ok(
             c,
             "create-machine",
-            {"name": self.machine_name, "image": "alpine", "network": "open"},
+            {
+                "name": self.machine_name,
+                "image": "alpine",
+                "network": "open",
+                **extra,
+            },
         )
         return self.machine_name
 
@@ -9164,16 +9170,7 @@ class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
         )
         with unittest.mock.patch.object(smol_mcp, "free_ports", repeating):
             async with self.client("legacy") as c:
-                await self.ok(
-                    c,
-                    "create-machine",
-                    {
-                        "name": self.machine_name,
-                        "image": "alpine",
-                        "network": "open",
-                        "ports": ports,
-                    },
-                )
+                await self.machine(c, ports=ports)
         hosts = [
             p["host"] for p in self.fake.machines[self.machine_name]["ports"]
         ]
