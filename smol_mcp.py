@@ -8114,20 +8114,28 @@ def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
 async def record_pooled(call: Call, name: str) -> dict:
     """The leased machine's record, asked of the engine while its session
     record (naming the lease, for the crash sweep) and its owner are
-    written in a worker thread; raise what either raised."""
+    written, each in a worker thread of its own; raise what either
+    raised."""
     local = call.app.local
     failed = []
 
-    def write() -> None:
+    def write(record: Callable, *args: str) -> None:
         try:
-            call.session.remember(local.name, name)
-            call.app.access.owners.claim(local.name, name, call.principal.name)
+            record(*args)
         except Exception as err:
             # Carried out of the group, which would wrap it in a group.
             failed.append(err)
 
+    # Side by side: the owner's write waits on the disk (an fsync). A
+    # crash between the two leaves a lease to end at its TTL, as one before
+    # both does, and at worst an owner a later claim of the name replaces.
+    writes = (
+        (call.session.remember, local.name, name),
+        (call.app.access.owners.claim, local.name, name, call.principal.name),
+    )
     async with anyio.create_task_group() as group:
-        group.start_soon(functools.partial(anyio.to_thread.run_sync, write))
+        for each in writes:
+            group.start_soon(anyio.to_thread.run_sync, write, *each)
         # On the event loop where it can be (a quick read), else a thread.
         record = await local.read_now(local.get_machine, name)
         if record is None:

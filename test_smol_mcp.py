@@ -22930,6 +22930,35 @@ class BenchTargetTests(unittest.TestCase):
         self.assertAlmostEqual(limit, 0.00045)
         self.assertIn("x 1.50", words)
 
+    def pool_verdict(self, own: float, sdk_call: float, cold: int = 0):
+        """The pool row's (target, verdict) for a pooled create whose own
+        share is ``own`` beside an SDK call of ``sdk_call``, in seconds."""
+        bench = object.__new__(self.bench.Bench)
+        bench.rows = []
+        warm = {
+            "create": [own + sdk_call + 0.001],
+            "first": [0.010],
+            "engine": [0.001],
+            "sdk": [sdk_call],
+            "cold": cold,
+        }
+        bench.pool_rows(warm, {"first": [0.050]})
+        return bench.rows[-1][4:]
+
+    def test_the_pools_bound_grows_with_the_sdks_call_as_the_per_call_ones(
+        self,
+    ):
+        quiet = self.bench.SDK_CALL_QUIET["stdio"]
+        self.assertEqual(self.pool_verdict(0.0049, quiet)[1], "PASS")
+        self.assertEqual(self.pool_verdict(0.0051, quiet)[1], "FAIL")
+        target, verdict = self.pool_verdict(0.0056, quiet * 2)
+        self.assertEqual(verdict, "PASS")
+        self.assertIn("+10.0 ms", target)
+        self.assertIn("x 2.00", target)
+        self.assertEqual(self.pool_verdict(0.0101, quiet * 2)[1], "FAIL")
+        # A pooled create that came back cold fails it whatever its time.
+        self.assertEqual(self.pool_verdict(0.001, quiet, cold=1)[1], "FAIL")
+
 
 class MinimalServerProcessTests(unittest.TestCase):
     """The benchmark's bare SDK server in several processes stops them

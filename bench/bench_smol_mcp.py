@@ -599,6 +599,10 @@ def host_scaled(target: float, sdk_call: float, transport: str):
     return target * factor, words
 
 
+# The spec's bound on smol-mcp's time on top of a pool's lease, on a host
+# as quiet as SDK_CALL_QUIET's.
+POOL_OWN_TARGET = 0.005
+
 # The agents of the throughput section, a token and a session each.
 THROUGHPUT_SESSIONS = 16
 # The soak: a steady load, below what the server can take, for a minute.
@@ -1698,7 +1702,11 @@ class Bench:
         # What the server adds to the lease: the call less readyMs and the
         # bare SDK server's round trip (own_share, as per call).
         own = own_share(warm["create"], warm["sdk"], warm["engine"])
-        limit = 0.005
+        # Most of it is the owner's durable write, which a shared host
+        # slows as it slows the SDK's call: grown as issue 22's are.
+        limit, scaled = host_scaled(
+            POOL_OWN_TARGET, median(warm["sdk"]), "stdio"
+        )
         self.row(
             "pool: create-machine {pool}, smol-mcp's time on top of the"
             " engine's lease, median of (call - SDK - readyMs)",
@@ -1706,7 +1714,7 @@ class Bench:
             f"{ms(median(warm['engine']))} readyMs,"
             f" {ms(median(warm['sdk']))} SDK",
             f"{warm['cold']} of the pooled creates came back cold",
-            f"<= +{limit * 1000:.1f} ms",
+            f"<= +{limit * 1000:.1f} ms{scaled}",
             self.check(own <= limit and not warm["cold"]),
         )
 
