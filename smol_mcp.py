@@ -13638,8 +13638,11 @@ HTTP_BODY_TIMEOUT_SECS = 60
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 # A connection whose request headers are not in by then is closed.
 HTTP_HEADER_TIMEOUT_SECS = 10
-# An idle connection between requests is closed after this.
-HTTP_KEEP_ALIVE_SECS = 5
+# An idle connection between requests is closed after this: later than
+# the clients' pools drop theirs (the Python SDK's httpx after 5 s, Node's
+# fetch after 4 s), so the client lets go first. Closed first, it can meet
+# the client's next request, which then fails as a reset connection.
+HTTP_KEEP_ALIVE_SECS = HTTP_HEADER_TIMEOUT_SECS
 # The request line and headers; more is a 400 and a close.
 HTTP_MAX_HEADER_BYTES = 64 * 1024
 # Beyond it the oldest connection still without headers is closed.

@@ -10608,6 +10608,32 @@ class HttpFrontProcessTests(unittest.TestCase):
             log_text,
         )
 
+    def test_a_connection_idle_as_long_as_a_clients_pool_keeps_it_answers(
+        self,
+    ):
+        """The Python SDK's client (httpx) keeps an idle connection 5 s and
+        then reuses it. The server keeps it longer: closed first, it can
+        meet that next request, which fails as a reset (a POST is not
+        sent again)."""
+        import httpx2
+
+        self.start_server(HTTP_TOKEN)
+        self.assertEqual(once_listening(lambda: self.initialize(5)), 200)
+        kept = httpx2.Limits().keepalive_expiry
+        request = (
+            f"GET /elsewhere HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"Authorization: Bearer {HTTP_TOKEN}\r\n\r\n"
+        ).encode()
+        address = ("127.0.0.1", self.port)
+        with socket.create_connection(address, timeout=10) as sock:
+            for _ in range(2):
+                sock.sendall(request)
+                answer = said_so_far(sock, wait=10)
+                self.assertTrue(answer.startswith(b"HTTP/1.1 404"), answer)
+                # Idle as long as the client's pool keeps it (said_so_far
+                # waited 0.2 s for more of the answer).
+                time.sleep(kept - 0.1)
+
     def test_weak_tokens_are_refused_at_startup_with_how_to_make_one(self):
         for token, expected in (
             ("x", "at least 32"),
