@@ -8112,30 +8112,26 @@ def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
 
 
 async def record_pooled(call: Call, name: str) -> dict:
-    """The leased machine's record, asked of the engine while its session
-    record (naming the lease, for the crash sweep) and its owner are
-    written, each in a worker thread of its own; raise what either
-    raised."""
+    """The leased machine's record, asked of the engine while its owner is
+    written in a worker thread; raise what either raised. The session
+    record (naming the lease, for the crash sweep) comes first, as in
+    create_recorded: an owner is never written that no record names, for
+    the sweep clears the owners of what it finds recorded."""
     local = call.app.local
+    call.session.remember(local.name, name)
     failed = []
 
-    def write(record: Callable, *args: str) -> None:
+    def claim() -> None:
         try:
-            record(*args)
+            owner = call.principal.name
+            call.app.access.owners.claim(local.name, name, owner)
         except Exception as err:
             # Carried out of the group, which would wrap it in a group.
             failed.append(err)
 
-    # Side by side: the owner's write waits on the disk (an fsync). A
-    # crash between the two leaves a lease to end at its TTL, as one before
-    # both does, and at worst an owner a later claim of the name replaces.
-    writes = (
-        (call.session.remember, local.name, name),
-        (call.app.access.owners.claim, local.name, name, call.principal.name),
-    )
+    # Beside the read: the owner's write waits on the disk (an fsync).
     async with anyio.create_task_group() as group:
-        for each in writes:
-            group.start_soon(anyio.to_thread.run_sync, write, *each)
+        group.start_soon(anyio.to_thread.run_sync, claim)
         # On the event loop where it can be (a quick read), else a thread.
         record = await local.read_now(local.get_machine, name)
         if record is None:
@@ -13639,9 +13635,11 @@ HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 # A connection whose request headers are not in by then is closed.
 HTTP_HEADER_TIMEOUT_SECS = 10
 # An idle connection between requests is closed after this: later than
-# the clients' pools drop theirs (the Python SDK's httpx after 5 s, Node's
-# fetch after 4 s), so the client lets go first. Closed first, it can meet
-# the client's next request, which then fails as a reset connection.
+# the MCP clients' pools drop theirs (the Python SDK's httpx after 5 s,
+# Node's fetch after 4 s), so the client lets go first. Closed first, it
+# can meet the client's next request, which then fails as a reset. The
+# header deadline, armed again once a response is done, closes it then
+# anyway: the two are one bound.
 HTTP_KEEP_ALIVE_SECS = HTTP_HEADER_TIMEOUT_SECS
 # The request line and headers; more is a 400 and a close.
 HTTP_MAX_HEADER_BYTES = 64 * 1024

@@ -1702,8 +1702,9 @@ class Bench:
         # What the server adds to the lease: the call less readyMs and the
         # bare SDK server's round trip (own_share, as per call).
         own = own_share(warm["create"], warm["sdk"], warm["engine"])
-        # Most of it is the owner's durable write, which a shared host
-        # slows as it slows the SDK's call: grown as issue 22's are.
+        # Most of it is the owner's durable write, the disk's; the SDK's
+        # call is the run's measure of a busy host, which slows both:
+        # grown as issue 22's are.
         limit, scaled = host_scaled(
             POOL_OWN_TARGET, median(warm["sdk"]), "stdio"
         )
