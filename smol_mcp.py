@@ -8112,26 +8112,24 @@ def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
 
 
 async def record_pooled(call: Call, name: str) -> dict:
-    """The leased machine's record, asked of the engine while its owner is
-    written in a worker thread; raise what either raised. The session
-    record (naming the lease, for the crash sweep) comes first, as in
-    create_recorded: an owner is never written that no record names, for
-    the sweep clears the owners of what it finds recorded."""
+    """The leased machine's record, asked of the engine while its session
+    record (naming the lease, for the crash sweep) and then its owner are
+    written in a worker thread, off the event loop; raise what either
+    raised. In that order: the sweep clears the owners of what it finds
+    recorded."""
     local = call.app.local
-    call.session.remember(local.name, name)
     failed = []
 
-    def claim() -> None:
+    def write() -> None:
         try:
-            owner = call.principal.name
-            call.app.access.owners.claim(local.name, name, owner)
+            call.session.remember(local.name, name)
+            call.app.access.owners.claim(local.name, name, call.principal.name)
         except Exception as err:
             # Carried out of the group, which would wrap it in a group.
             failed.append(err)
 
-    # Beside the read: the owner's write waits on the disk (an fsync).
     async with anyio.create_task_group() as group:
-        group.start_soon(anyio.to_thread.run_sync, claim)
+        group.start_soon(functools.partial(anyio.to_thread.run_sync, write))
         # On the event loop where it can be (a quick read), else a thread.
         record = await local.read_now(local.get_machine, name)
         if record is None:
