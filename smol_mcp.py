@@ -10704,19 +10704,21 @@ def valid_tokens(data: Any) -> bool:
     )
 
 
-def known_hashes(records: list[dict]) -> list[tuple]:
-    """Each secret hash the tokens file knows, in file order: a token's
-    own (no expiry) and its OAuth access tokens', as (hash, place,
-    record, the access token's scopes or None, expiry or None)."""
-    known = []
+def known_hashes(records: list[dict]) -> dict[str, list[tuple]]:
+    """Each secret hash the tokens file knows (a token's own, with no
+    expiry, and its OAuth access tokens'), mapped to where it is, in file
+    order: (place, record, the access token's scopes or None, expiry or
+    None)."""
+    known: dict[str, list[tuple]] = {}
     for index, record in enumerate(records):
         own = str(record.get("sha256", ""))
-        known.append((own, (index, 0), record, None, None))
+        known.setdefault(own, []).append(((index, 0), record, None, None))
         for number, access in enumerate(record.get("access", []), 1):
             place = (index, number)
             scopes = access.get("scopes")
             expires = access["expiresAt"]
-            known.append((access["sha256"], place, record, scopes, expires))
+            entry = (place, record, scopes, expires)
+            known.setdefault(access["sha256"], []).append(entry)
     return known
 
 
@@ -10758,7 +10760,7 @@ class TokenStore:
         self._used: dict[str, float] = {}
         # compare's list of (hash, place, record, scopes, expiry), and the
         # file's data it was made from.
-        self._known: list[tuple] = []
+        self._known: dict[str, list[tuple]] = {}
         self._listed: Any = None
         self._flushed = time.monotonic()
 
@@ -10825,9 +10827,9 @@ class TokenStore:
     def match(self, offered: list[str], again: bool = True) -> dict | None:
         """Return the record whose hash matches an offered secret, or None.
 
-        The hash of a live OAuth access token counts too. Every pair is
-        compared in constant time; a miss reads the file again, so a new
-        token works at once.
+        The hash of a live OAuth access token counts too. A secret is
+        looked up by its hash (compare says why); a miss reads the file
+        again, so a new token works at once.
         """
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         return self.match_hashes(hashes, again)
@@ -10842,9 +10844,8 @@ class TokenStore:
 
     def compare(self, hashes: list[str]) -> dict | None:
         """The record (narrowed) an offered hash matches, the last in the
-        file when several do; every known hash is compared with each, in
-        constant time. The known hashes are listed again only when the
-        file is read again."""
+        file when several do. The known hashes are listed again only when
+        the file is read again."""
         data = self.file.read()
         if data is not self._listed:
             self._known = known_hashes(data.get("tokens", []))
@@ -10852,11 +10853,14 @@ class TokenStore:
         now = time.time()
         found = None
         for digest in hashes:
-            for known, place, record, scopes, expires in self._known:
-                # compare_digest first: every comparison runs.
-                same = hmac.compare_digest(digest, known)
+            # Looked up by its hash, not compared with each known one: a
+            # lookup's time can tell only of the SHA-256 of what was
+            # offered, which gives away no secret, and the check costs
+            # the same with one token or ten thousand.
+            matches = self._known.get(digest, ())
+            for place, record, scopes, expires in matches:
                 live = expires is None or expires > now
-                if same and live and (found is None or place > found[0]):
+                if live and (found is None or place > found[0]):
                     found = (place, record, scopes)
         if found is None:
             return None

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import hmac
 import inspect
 import io
 import itertools
@@ -16841,6 +16842,85 @@ class AccessPiecesTests(unittest.TestCase):
                         access.token_for([secret]).name, "default"
                     )
             self.assertLessEqual(stats.call_count, 1)
+
+    def test_a_token_is_looked_up_by_its_hash_not_against_each_one(self):
+        class Unlisted(dict):
+            """Known hashes that refuse to be gone through one by one."""
+
+            def __iter__(self):
+                raise AssertionError("every known hash was gone through")
+
+            items = values = keys = __iter__
+
+        listed = smol_mcp.known_hashes
+
+        def known(records):
+            return Unlisted(listed(records))
+
+        def record(name, secret, **extra):
+            digest = smol_mcp.secret_hash(secret)
+            return {"name": name, "id": name, "sha256": digest, **extra}
+
+        counts = []
+        for many in (1, 500):
+            with tempfile.TemporaryDirectory() as tmp:
+                store = smol_mcp.TokenStore(f"{tmp}/state")
+                records = [record(f"a{i}", f"s{i}") for i in range(many)]
+                store.file.update(lambda data: data.update(tokens=records))
+                with (
+                    unittest.mock.patch("smol_mcp.known_hashes", known),
+                    unittest.mock.patch(
+                        "smol_mcp.hmac.compare_digest",
+                        wraps=hmac.compare_digest,
+                    ) as compared,
+                ):
+                    self.assertEqual(store.match(["s0"])["name"], "a0")
+                    self.assertIsNone(store.match(["nope"], again=False))
+                counts.append(compared.call_count)
+        self.assertEqual(counts[0], counts[1])
+        # The same hash twice: the last in the file, unless it is an
+        # access token that has expired.
+        later = time.time() + 60
+        cases = [
+            ([record("a", "s"), record("b", "s")], "b"),
+            (
+                [
+                    record("a", "s"),
+                    record(
+                        "b",
+                        "t",
+                        access=[
+                            {
+                                "sha256": smol_mcp.secret_hash("s"),
+                                "expiresAt": time.time() - 1,
+                            }
+                        ],
+                    ),
+                ],
+                "a",
+            ),
+            (
+                [
+                    record("a", "s"),
+                    record(
+                        "b",
+                        "t",
+                        access=[
+                            {
+                                "sha256": smol_mcp.secret_hash("s"),
+                                "expiresAt": later,
+                            }
+                        ],
+                    ),
+                ],
+                "b",
+            ),
+        ]
+        for records, name in cases:
+            with tempfile.TemporaryDirectory() as tmp:
+                store = smol_mcp.TokenStore(f"{tmp}/state")
+                store.file.update(lambda data: data.update(tokens=records))
+                self.assertEqual(store.match(["s"])["name"], name)
 
     def test_a_damaged_state_file_is_refused_on_every_read(self):
         with tempfile.TemporaryDirectory() as tmp:
